@@ -1,0 +1,80 @@
+"""The one place where an op's implementation is chosen by device.
+
+Backends:
+* ``triton``    – CUDA tensors with triton importable (``hf_csv_kernels.triton_ops``);
+* ``cpu``       – the fast CPU path (fbgemm int8 screen) where one exists;
+* ``reference`` – plain torch, every op, every device.
+
+``HF_CSV_KERNELS=reference`` (or ``cpu`` / ``triton``) forces a backend; an op without
+that backend falls back to its reference.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from . import cluster, gather, screen
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["backend_for", "get_op", "register", "available_backends"]
+
+_REGISTRY: dict[str, dict[str, Callable]] = {
+    "screen_int8": {"reference": screen.screen_int8_reference, "cpu": screen.screen_int8_cpu},
+    "gather_gemv": {"reference": gather.gather_gemv_reference},
+    "cluster_upper": {"reference": cluster.cluster_upper_reference},
+    "segmented_gemv": {"reference": cluster.segmented_gemv_reference},
+}
+_triton_loaded = False
+
+
+def register(op: str, backend: str, fn: Callable) -> None:
+    """Register ``fn`` as the ``backend`` implementation of ``op``."""
+    _REGISTRY.setdefault(op, {})[backend] = fn
+
+
+def _load_triton() -> bool:
+    global _triton_loaded
+    if not _triton_loaded:
+        _triton_loaded = True
+        try:
+            mod = importlib.import_module("hf_csv_kernels.triton_ops")
+            for op, fn in getattr(mod, "OPS", {}).items():
+                register(op, "triton", fn)
+        except ImportError as e:  # triton missing: references serve
+            logger.debug("triton kernels unavailable: %s", e)
+    return any("triton" in v for v in _REGISTRY.values())
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The backend used for tensors on ``device`` (honours ``HF_CSV_KERNELS``)."""
+    forced = os.environ.get("HF_CSV_KERNELS", "").strip().lower()
+    if forced:
+        if forced not in ("reference", "cpu", "triton"):
+            raise ValueError(f"HF_CSV_KERNELS must be reference, cpu or triton, got {forced!r}")
+        if forced == "triton":
+            _load_triton()
+        return forced
+    dev = torch.device(device)
+    if dev.type == "cuda" and _load_triton():
+        return "triton"
+    if dev.type == "cpu":
+        return "cpu"
+    return "reference"
+
+
+def get_op(op: str, device: torch.device | str) -> Callable:
+    """Implementation of ``op`` for ``device``; the reference when the backend lacks it."""
+    impls = _REGISTRY.get(op)
+    if impls is None:
+        raise KeyError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
+    return impls.get(backend_for(device), impls["reference"])
+
+
+def available_backends(op: str) -> list[str]:
+    _load_triton()
+    return sorted(_REGISTRY[op])

@@ -1,0 +1,90 @@
+"""Symmetric per-row int8 quantization of a head with rigorous per-row error terms.
+
+For every row W_i we store q_i (int8) and s_i with Ŵ_i = s_i q_i, and the exact
+(rounded up) quantities
+
+* ``err_l2[i]  >= ||W_i - Ŵ_i||_2``  (weight quantization error)
+* ``l1[i]      >= ||Ŵ_i||_1``        (multiplies the per-coordinate activation error)
+* ``abs_l1[i]  >= ||W_i||_1``        (floating-point accumulation margins of the recompute)
+
+They are computed in float64 and rounded *up* to float32, so every bound built
+from them is an over-estimate of the real-number quantity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Int8Rows", "quantize_rows_int8", "unit_roundoff", "gamma", "round_up_f32"]
+
+
+def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
+    """Unit roundoff u of a floating dtype (half the machine epsilon)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """Higham's γ_n = n·u / (1 − n·u): the relative error bound of an n-term float sum."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) undefined for {dtype}: n·u >= 1")
+    return nu / (1 - nu)
+
+
+def round_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """Round a float64 tensor to the next float32 value that is >= it."""
+    y = x.to(torch.float32)
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+@dataclass
+class Int8Rows:
+    """int8 rows plus the per-row terms the screen's error bound needs."""
+
+    q: torch.Tensor  # int8 [V, d]
+    scale: torch.Tensor  # float32 [V]
+    err_l2: torch.Tensor  # float32 [V], >= ||W_i - s_i q_i||_2
+    l1: torch.Tensor  # float32 [V], >= ||s_i q_i||_1
+    abs_l1: torch.Tensor  # float32 [V], >= ||W_i||_1
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+@torch.no_grad()
+def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+    """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127).
+
+    Chunked so that the float64 error computation never holds more than
+    ``chunk_rows`` rows at once.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, d], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    V, d = weight.shape
+    q = torch.empty(V, d, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(V, dtype=torch.float32, device=weight.device)
+    err_l2 = torch.empty_like(scale)
+    l1 = torch.empty_like(scale)
+    abs_l1 = torch.empty_like(scale)
+    for lo in range(0, V, chunk_rows):
+        w = weight[lo : lo + chunk_rows].float()
+        if not torch.isfinite(w).all():
+            raise ValueError("head weight contains non-finite values")
+        s = w.abs().amax(1) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero row: any scale is exact
+        qi = torch.round(w / s[:, None]).clamp_(-127, 127)
+        q[lo : lo + chunk_rows] = qi.to(torch.int8)
+        scale[lo : lo + chunk_rows] = s
+        wd = w.double()
+        deq = qi.double() * s.double()[:, None]  # s_i * q_ij is exact in float64
+        err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
+        l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
+        abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))
+    return Int8Rows(q=q, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)

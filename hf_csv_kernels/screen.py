@@ -1,0 +1,132 @@
+"""The certified int8 screen: screen logits plus a rigorous error radius in one call.
+
+Contract shared by every backend (reference, CPU fbgemm, Triton)::
+
+    est, rad = screen_int8(state, H)      # H: float32 [N, d]
+    |<W_i, h_r> - est[r, i]| <= rad[r, i]  for every r, i   (real-number inner product)
+
+``state`` is a :class:`ScreenState` made once per head by :func:`prepare_screen`.
+The bias is *not* included; callers add it (and its rounding margin).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .quantize import Int8Rows, gamma, unit_roundoff
+
+__all__ = ["ScreenState", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available"]
+
+# fbgemm's dynamic linear quantizes activations to 7 bits with reduce_range=True; that
+# keeps the int16 pair sums of its AVX2 kernel from saturating, which the bound relies on.
+_QRANGE = 127
+# Slack on the activation step s_X/2 for float rounding in fbgemm's choice of qparams.
+_ACT_SLACK = 1e-3
+
+
+@dataclass
+class ScreenState:
+    """Everything a screen backend needs for one head (built once, reused every step)."""
+
+    rows: Int8Rows
+    outlier_cols: torch.Tensor  # int64 [k]: columns of h kept in fp32 (massive activations)
+    w_outlier: torch.Tensor  # float32 [V, k] = Ŵ[:, outlier_cols]
+    packed: Optional[object] = None  # fbgemm packed weight (CPU fast path)
+    _cache: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rows.q.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.rows.q.shape[1]
+
+
+def fbgemm_available() -> bool:
+    """True when torch's quantized CPU engine offers the fbgemm dynamic linear."""
+    try:
+        return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+            torch.ops.quantized, "linear_dynamic"
+        )
+    except Exception:  # pragma: no cover - exotic builds
+        return False
+
+
+def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True) -> ScreenState:
+    """Build the per-head screen state; pack the int8 rows for fbgemm when on CPU."""
+    V, d = rows.q.shape
+    if outlier_cols is None:
+        outlier_cols = torch.zeros(0, dtype=torch.long, device=rows.q.device)
+    outlier_cols = outlier_cols.to(device=rows.q.device, dtype=torch.long)
+    if outlier_cols.numel() and (outlier_cols.min() < 0 or outlier_cols.max() >= d):
+        raise ValueError(f"outlier columns must lie in [0, {d})")
+    w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
+    packed = None
+    if pack_cpu and rows.q.device.type == "cpu" and fbgemm_available():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch deprecates quantized tensor creation
+            qw = torch._make_per_channel_quantized_tensor(
+                rows.q, rows.scale.double(), torch.zeros(V, dtype=torch.long), 0
+            )
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+    return ScreenState(rows=rows, outlier_cols=outlier_cols, w_outlier=w_out, packed=packed)
+
+
+@torch.no_grad()
+def screen_int8_reference(state: ScreenState, H: torch.Tensor, chunk_rows: int = 32768) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch reference: weight-only int8, fp32 activations.
+
+    est = Ŵ h in fp32; rad = ||W_i − Ŵ_i||·||h|| + γ_{d+2}·||Ŵ_i||_1·||h||_∞ (accumulation).
+    """
+    rows = state.rows
+    H = H.float()
+    V, d = rows.q.shape
+    est = torch.empty(H.shape[0], V, dtype=torch.float32, device=H.device)
+    for lo in range(0, V, chunk_rows):
+        w = rows.q[lo : lo + chunk_rows].float() * rows.scale[lo : lo + chunk_rows, None]
+        est[:, lo : lo + chunk_rows] = H @ w.T
+    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * unit_roundoff())
+    hinf = H.abs().amax(dim=1, keepdim=True)
+    rad = rows.err_l2 * hn2 + rows.l1 * (gamma(d + 2) * hinf)
+    return est, rad
+
+
+@torch.no_grad()
+def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fbgemm dynamic-int8 GEMV with the outlier columns of h kept in fp32.
+
+    Per row r: h = h_J + h_rest. h_rest is scaled by 1/m_r (m_r = ||h_rest||_∞) so that
+    fbgemm's per-tensor activation quantization has the same relative step for every
+    row of the batch, and quantized with step s_X <= 2/127; each coordinate errs by at
+    most s_X/2, so |<Ŵ_i, h_rest − ĥ_rest>| <= ||Ŵ_i||_1 · m_r · s_X/2. The int32
+    accumulation is exact; the remaining float steps (dequantization, rescale, the
+    fp32 outlier GEMV over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
+    """
+    if state.packed is None:
+        raise RuntimeError("screen state has no fbgemm packed weight (CPU fast path unavailable)")
+    rows = state.rows
+    H = H.float()
+    J = state.outlier_cols
+    h_rest = H.clone()
+    if J.numel():
+        h_rest[:, J] = 0
+    m = h_rest.abs().amax(dim=1, keepdim=True)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    X = h_rest / m
+    y = torch.ops.quantized.linear_dynamic(X, state.packed, True)
+    est = y * m
+    if J.numel():
+        est.addmm_(H[:, J], state.w_outlier.T)
+    # the step fbgemm chooses: range of X over the whole batch, including 0, over 127 levels
+    s_x = (X.max().clamp(min=0) - X.min().clamp(max=0)) / _QRANGE
+    act = m * (0.5 * (1 + _ACT_SLACK)) * s_x  # [N, 1]
+    u = unit_roundoff()
+    hinf = H.abs().amax(dim=1, keepdim=True)
+    coef = act + (64 * u + gamma(J.numel() + 2)) * hinf
+    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * u)
+    rad = torch.addcmul(rows.err_l2 * hn2, rows.l1, coef.expand(-1, 1))
+    return est, rad
