@@ -1,0 +1,126 @@
+"""Bound providers: for hidden states H [N, d], per-token bounds on the logits ℓ = W h + b.
+
+Every provider returns ``(est, upper)`` with ``upper[r, i] >= ℓ_i(h_r)`` for the real-number
+logit (soundness, property-tested in tests/test_bounds.py) and ``est`` a cheap estimate used
+only to pick seed tokens (correctness never depends on it).
+
+* :class:`ScreenProvider` – the certified int8 screen (DESIGN.md §2). This is the one that prunes.
+* :class:`ClusterProvider` – the paper's centroid + radius + bias bound from a :class:`VocabIndex`
+  (Euclidean, or the sound spherical variant). Sound, but on real heads it opens almost all of V.
+
+This module does not import transformers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol
+
+import torch
+
+from hf_csv_kernels import get_op, quantize_rows_int8, unit_roundoff
+from hf_csv_kernels.screen import prepare_screen
+
+from .index import VocabIndex
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BoundProvider", "ScreenProvider", "ClusterProvider", "make_provider"]
+
+
+class BoundProvider(Protocol):
+    name: str
+    vocab_size: int
+
+    def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(est, upper), both float32 [N, V], bias included; upper >= true logits."""
+
+
+def _bias_margin(est: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # one float add (est + b) and the final add of the radius: 2u·(|est| + |b|)
+    mag = est.abs() if bias is None else est.abs() + bias.abs()
+    return mag * (2 * unit_roundoff())
+
+
+class ScreenProvider:
+    """Certified int8 screen over every token.
+
+    ``num_outliers`` columns of h with the largest magnitude (the "massive activations")
+    are kept exact in fp32 on the CPU fbgemm path; they are chosen once, from the first
+    hidden states seen or by :meth:`calibrate`. The bound is sound for *any* choice:
+    a poor choice only makes it looser.
+    """
+
+    name = "screen"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
+                 outlier_cols: Optional[torch.Tensor] = None):
+        if weight.dim() != 2:
+            raise ValueError(f"head weight must be [V, d], got {tuple(weight.shape)}")
+        self.vocab_size, self.hidden_size = weight.shape
+        self.device = weight.device
+        self.bias = None if bias is None else bias.detach().float()
+        self.rows = quantize_rows_int8(weight.detach())
+        self.num_outliers = min(int(num_outliers), self.hidden_size)
+        self.state = None
+        if outlier_cols is not None or self.num_outliers == 0:
+            self._prepare(outlier_cols)
+
+    def _prepare(self, cols: Optional[torch.Tensor]) -> None:
+        self.state = prepare_screen(self.rows, cols)
+
+    @torch.no_grad()
+    def calibrate(self, H: torch.Tensor) -> torch.Tensor:
+        """Fix the outlier columns from calibration hidden states; returns them."""
+        H = H.reshape(-1, self.hidden_size).float()
+        cols = H.abs().amax(0).topk(self.num_outliers).indices.sort().values if self.num_outliers else None
+        self._prepare(cols)
+        return self.state.outlier_cols
+
+    @torch.no_grad()
+    def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.state is None:
+            self.calibrate(H)
+        est, rad = get_op("screen_int8", H.device)(self.state, H)
+        if self.bias is not None:
+            est = est + self.bias
+        upper = est + rad + _bias_margin(est, self.bias)
+        return est, upper
+
+
+class ClusterProvider:
+    """The paper's cluster bound, U_c = <μ_c, h> + R_c ||h|| + max_{i∈c} b_i, expanded per token."""
+
+    name = "cluster"
+
+    def __init__(self, index: VocabIndex, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 check: bool = True):
+        if check:
+            index.check_head(weight, bias)
+        self.index = index.to(weight.device)
+        self.vocab_size = index.config.vocab_size
+        self.spherical = index.config.metric == "spherical"
+
+    @torch.no_grad()
+    def cluster_upper(self, H: torch.Tensor) -> torch.Tensor:
+        ix = self.index
+        nmin, nmax = (ix.norm_min, ix.norm_max) if self.spherical else (None, None)
+        bias_max = torch.where(torch.isfinite(ix.bias_max), ix.bias_max, torch.zeros_like(ix.bias_max))
+        return get_op("cluster_upper", H.device)(ix.centroids, ix.radius, bias_max, H, nmin, nmax)
+
+    @torch.no_grad()
+    def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        Uc = self.cluster_upper(H)
+        upper = Uc[:, self.index.assignment]
+        return upper, upper
+
+
+def make_provider(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  index: Optional[VocabIndex] = None, **kwargs) -> BoundProvider:
+    """Provider by name: ``"screen"`` (default, prunes) or ``"cluster"`` (needs ``index``)."""
+    if name == "screen":
+        return ScreenProvider(weight, bias, **kwargs)
+    if name == "cluster":
+        if index is None:
+            raise ValueError("provider 'cluster' needs an index (VocabIndex or path)")
+        return ClusterProvider(index, weight, bias)
+    raise ValueError(f"unknown bound provider {name!r}; choose 'screen' or 'cluster'")
