@@ -105,7 +105,7 @@ class CertifiedHead:
         self.provider = provider
         if isinstance(budget, float) and not (0 < budget <= 1):
             raise ValueError(f"budget as a fraction must be in (0, 1], got {budget}")
-        self.budget = int(budget * self.vocab_size) if isinstance(budget, float) else int(budget)
+        self.budget = max(1, math.ceil(budget * self.vocab_size)) if isinstance(budget, float) else int(budget)
         if self.budget < 1:
             raise ValueError(f"budget must allow at least one candidate, got {budget}")
         self._gather = get_op("gather_gemv", weight.device)

@@ -45,7 +45,7 @@ _TENSOR_KEYS = ("centroids", "radius", "norm_min", "norm_max", "bias_max", "bias
 def default_num_clusters(vocab_size: int) -> int:
     """About 2·sqrt(V) rounded to a power of two, in [16, 1024]: minutes on 2 cores for V = 262k."""
     c = 2 ** round(math.log2(max(1.0, 2 * math.sqrt(vocab_size))))
-    return int(min(1024, max(16, min(c, vocab_size))))
+    return int(min(vocab_size, 1024, max(16, c)))
 
 
 @torch.no_grad()

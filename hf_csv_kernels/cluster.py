@@ -15,7 +15,7 @@ def cluster_upper_reference(centroids: torch.Tensor, radius: torch.Tensor, bias_
     Euclidean (norm_min/norm_max None): U = <μ_c, h> + R_c ||h|| + b_c.
     Spherical (unit μ_c, R_c bounds ||W_i/||W_i|| − μ_c||): B = <μ_c, h> + R_c ||h|| bounds
     <W_i/||W_i||, h>, so W_i·h <= norm_max·B if B >= 0 else norm_min·B.
-    A relative slack of 4(d+2)u·(|<μ,h>| + R||h||) covers fp32 rounding.
+    A slack of 4(d+2)u·(|<μ,h>| + R||h|| + ||μ||_1||h||_∞), plus 2u·(|B| + |b_c|) for the final add, covers fp32 rounding.
     """
     Hf = H.float()
     hn = Hf.norm(dim=1, keepdim=True)
@@ -27,7 +27,8 @@ def cluster_upper_reference(centroids: torch.Tensor, radius: torch.Tensor, bias_
     if norm_min is not None:
         B = torch.where(B >= 0, B * norm_max, B * norm_min)
         B = B + B.abs() * (2 * u)
-    return B + bias_max
+    # the final add rounds at the magnitude of B and the bias
+    return B + bias_max + (B.abs() + bias_max.abs()) * (2 * u)
 
 
 @torch.no_grad()

@@ -1,0 +1,95 @@
+"""User-facing configuration of certified generation (no transformers import).
+
+``CSVConfig`` is what ``model.generate(..., csv_config=CSVConfig(...))`` takes. It only
+describes *how* the certified head may be used; which certificate runs at each call is
+decided from the generation config and the logits processors in play (docs/processors.md).
+Every field is validated on construction; a bad value raises ``ValueError`` naming the field.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+__all__ = ["CSVConfig", "MODES", "PROVIDERS"]
+
+MODES = ("auto", "topk", "sample", "epsilon")
+PROVIDERS = ("screen", "cluster")
+
+
+@dataclass
+class CSVConfig:
+    """How the certified LM head is used inside ``generate``.
+
+    Args:
+        mode: ``"auto"`` (default) picks the strongest *exact* certificate the call allows
+            (greedy/beam -> certified top-k, sampling -> exact lazy-Gumbel draw) and the full head
+            otherwise. ``"topk"`` / ``"sample"`` request that certificate (still falling back to
+            the full head, with a logged reason, when the processors in play make it unsound).
+            ``"epsilon"`` additionally allows the *approximate* ε-softmax certificate
+            (TV <= ``epsilon`` before normalizing warpers) for top-p / min-p / typical sampling.
+        epsilon: the TV bound of the ε-softmax certificate (``mode="epsilon"`` only), in (0, 1).
+        beam_epsilon: TV bound used for beam search, whose log-softmax needs the normalizer:
+            the beam log-probs differ from stock by at most -log(1-beam_epsilon) ≈ beam_epsilon.
+        provider: bound provider, ``"screen"`` (certified int8 screen; needs no index) or
+            ``"cluster"`` (needs ``index``).
+        budget: max sub-vocabulary size before a row falls back to the full head: an int, or a
+            fraction of V in (0, 1].
+        index: a :class:`hf_csv.VocabIndex`, a local directory or a Hub repo id; ``None`` is fine
+            for the screen provider.
+        revision: Hub revision of ``index`` when it is a repo id.
+        stats: collect per-call certification statistics (``output.csv_stats`` /
+            ``model.csv_last_stats``).
+        num_outliers: exact fp32 columns of h in the screen ("massive activations").
+    """
+
+    mode: str = "auto"
+    epsilon: float = 1e-3
+    beam_epsilon: float = 1e-6
+    provider: str = "screen"
+    budget: Union[int, float] = 0.05
+    index: Any = None
+    revision: Optional[str] = None
+    stats: bool = True
+    num_outliers: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"CSVConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("epsilon", "beam_epsilon"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < 1) or not math.isfinite(v):
+                raise ValueError(f"CSVConfig.{name} must be a number in (0, 1), got {v!r}")
+            setattr(self, name, float(v))
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"CSVConfig.provider must be one of {PROVIDERS}, got {self.provider!r}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise ValueError(f"CSVConfig.budget must be an int >= 1 or a fraction in (0, 1], got {b!r}")
+        if isinstance(b, float) and not (0 < b <= 1):
+            raise ValueError(f"CSVConfig.budget as a fraction must be in (0, 1], got {b!r}")
+        if isinstance(b, int) and b < 1:
+            raise ValueError(f"CSVConfig.budget as a count must be >= 1, got {b!r}")
+        if self.index is not None and not isinstance(self.index, (str, os.PathLike)):
+            # duck-typed so that this module stays import-light; VocabIndex has check_head
+            if not hasattr(self.index, "check_head"):
+                raise ValueError(f"CSVConfig.index must be a directory, a repo id, a VocabIndex or None, "
+                                 f"got {type(self.index).__name__}")
+        if self.provider == "cluster" and self.index is None:
+            raise ValueError("CSVConfig.index is required for provider='cluster'")
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ValueError(f"CSVConfig.revision must be a string or None, got {self.revision!r}")
+        if not isinstance(self.stats, bool):
+            raise ValueError(f"CSVConfig.stats must be a bool, got {self.stats!r}")
+        if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
+            raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
+
+    def head_key(self) -> tuple:
+        """What determines the cached :class:`CertifiedHead` (the int8 screen is built once per key)."""
+        idx = self.index if isinstance(self.index, (str, os.PathLike, type(None))) else id(self.index)
+        return (self.provider, self.budget, str(idx), self.revision, self.num_outliers)
+
+    def to_dict(self) -> dict:
+        return {f.name: (getattr(self, f.name) if f.name != "index" or self.index is None
+                         or isinstance(self.index, str) else repr(self.index)) for f in fields(self)}

@@ -1,0 +1,324 @@
+"""Verify step of speculative sampling: an exact fast path and the (lossy) sigmoid approximation.
+
+Plain torch, no ``transformers`` and no ``hf_csv`` import. The transformers-facing adapter with the
+stock ``_speculative_sampling`` signature lives in :mod:`hf_csv.verify`.
+
+Guarantee of :func:`exact_verify` (proof in ``docs/speculative.md``): if the drafted tokens
+``x_j`` were sampled from ``q_j = softmax(draft_logits[j])`` then the emitted tokens are
+distributed exactly as if sampled one by one from ``p_j = softmax(target_logits[j])`` — the same
+distribution the stock ``_speculative_sampling`` produces — up to the floating-point resolution
+of the random number generator. It differs from the stock function only in *how* it computes:
+
+* acceptance ratios ``p_j(x_j)/q_j(x_j)`` come from log-normalizers (one ``logsumexp`` per row)
+  and a gather at the drafted id; no V-sized probability or ratio tensor is materialized;
+* rows are processed lazily on CPU (row ``j+1`` is never normalized once row ``j`` was rejected);
+* the residual ``norm(max(0, p - q))`` is sampled by the exponential race
+  ``argmax_i max(0, p_i - q_i) / E_i`` with ``E_i ~ Exp(1)``, which needs no normalizer;
+* the bonus token (all drafts accepted) is a Gumbel-max draw ``argmax_i z_i - log E_i`` from the
+  raw target logits, which needs no softmax at all.
+
+:func:`sigmoid_verify` implements the seed paper's approximation (softmax replaced by
+``sigmoid((z - alpha) / (beta - alpha))``, alpha = -1e4, beta = 1e4). It is **lossy**: its output
+is *not* distributed as the target. It exists for measurement and as an explicit opt-in.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "VerifyResult",
+    "DraftProbabilityError",
+    "exact_verify",
+    "sigmoid_verify",
+    "sigmoid_probs",
+    "sigmoid_first_token_distribution",
+    "exact_first_token_distribution",
+    "SIGMOID_ALPHA",
+    "SIGMOID_BETA",
+    "LossyVerifyWarning",
+]
+
+SIGMOID_ALPHA = -1.0e4
+SIGMOID_BETA = 1.0e4
+
+
+class VerifyResult(NamedTuple):
+    """``n_accepted`` drafted tokens were accepted; ``tokens`` (int64, shape [n_accepted + 1]) are
+    the emitted tokens: the accepted drafts followed by one token sampled from the target (the
+    residual on rejection, the bonus position when every draft was accepted)."""
+
+    n_accepted: int
+    tokens: torch.Tensor
+
+
+class DraftProbabilityError(ValueError):
+    """A drafted token has zero draft probability (its draft logit is -inf), or a row of logits
+    cannot be normalized (all -inf, +inf or NaN). The draft could not have sampled such a token
+    from the given logits, so the logits are not the draft's sampling distribution and no
+    speculative-sampling guarantee holds: this is a caller bug and we refuse to guess."""
+
+
+class LossyVerifyWarning(UserWarning):
+    """Emitted (once per process by the kernel, once per scope by :mod:`hf_csv.verify`) when the
+    lossy sigmoid verify is used."""
+
+
+_SIGMOID_WARNED = False
+
+
+def _reset_sigmoid_warning() -> None:
+    """Test hook: make the next :func:`sigmoid_verify` call warn again."""
+    global _SIGMOID_WARNED
+    _SIGMOID_WARNED = False
+
+
+def _check_shapes(draft_ids: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> int:
+    if draft_ids.dim() != 1:
+        raise ValueError(f"draft_ids must be 1-D [L], got shape {tuple(draft_ids.shape)}")
+    L = draft_ids.numel()
+    if L < 1:
+        raise ValueError("need at least one drafted token")
+    if draft_logits.dim() != 2 or draft_logits.shape[0] != L:
+        raise ValueError(f"draft_logits must be [L={L}, V], got {tuple(draft_logits.shape)}")
+    if target_logits.dim() != 2 or target_logits.shape[0] != L + 1:
+        raise ValueError(f"target_logits must be [L+1={L + 1}, V], got {tuple(target_logits.shape)}")
+    if draft_logits.shape[1] != target_logits.shape[1]:
+        # stock would fail on `p - q` broadcasting; say so clearly instead
+        raise ValueError(
+            f"draft and target vocabularies differ ({draft_logits.shape[1]} vs {target_logits.shape[1]})"
+        )
+    return L
+
+
+def _exp1(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) variates, clamped away from 0 so that 0/E and x/E are never NaN.
+
+    (torch's sampler can return exactly 0 with probability ~2^-53 per element; the clamp changes
+    the distribution only on that event.)"""
+    e = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    e.exponential_(generator=generator)
+    return e.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _sample_from_logits(z: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exact draw from softmax(z) by Gumbel-max: argmax_i z_i - log E_i (no normalizer needed).
+
+    -inf logits get -inf keys and are never chosen unless every logit is -inf (checked by callers).
+    """
+    key = _exp1(z, generator).log_()
+    return torch.sub(z.float(), key).argmax()
+
+
+def _race(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, bool]:
+    """Exponential race over non-negative, unnormalized weights: argmax_i w_i / E_i.
+
+    P(i wins) = w_i / sum_j w_j (lemma in docs/speculative.md). Returns (index, ok) where ok is
+    False when every weight is 0 (nothing to sample from)."""
+    key = weights.div_(_exp1(weights, generator))
+    idx = key.argmax()
+    return idx, bool(key[idx] > 0)
+
+
+def _finite_lse(rows: torch.Tensor) -> torch.Tensor:
+    lse = torch.logsumexp(rows.float(), dim=-1)
+    if not bool(torch.isfinite(lse).all()):
+        raise DraftProbabilityError("a row of logits cannot be normalized (all -inf, +inf or NaN)")
+    return lse
+
+
+@torch.no_grad()
+def exact_verify(
+    draft_ids: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    ensemble_weight: float | None = None,
+    generator: torch.Generator | None = None,
+    lazy: bool | None = None,
+) -> VerifyResult:
+    """Exact speculative-sampling verify of ``L`` drafted tokens.
+
+    Args:
+        draft_ids: int [L], the drafted tokens, sampled from ``softmax(draft_logits[j])``.
+        draft_logits: [L, V] processed draft scores (may be -inf outside a sub-vocabulary).
+        target_logits: [L+1, V] processed target scores; row L is the bonus position.
+        ensemble_weight: optional w in (0, 1]: accept with ``1 - w + w p/q`` (the DIVERSE
+            relaxation that stock supports; *lossy* for w < 1, exactly as in stock).
+        generator: torch.Generator for reproducibility.
+        lazy: normalize rows one at a time and stop at the first rejection (default: on CPU).
+
+    Returns:
+        :class:`VerifyResult`. With ``ensemble_weight=None`` the tokens are distributed exactly as
+        the target (see module docstring).
+
+    Raises:
+        DraftProbabilityError: a drafted token has draft logit -inf (q(x)=0) or a row cannot be
+            normalized. Such a token cannot have been sampled from ``q``; see docs/speculative.md.
+    """
+    L = _check_shapes(draft_ids, draft_logits, target_logits)
+    dev = target_logits.device
+    ids = draft_ids.to(device=dev, dtype=torch.long)
+    # logits at the drafted ids: L gathers, the only per-token data the acceptance test needs
+    zq = draft_logits.gather(1, ids[:, None]).squeeze(1).float()
+    zp = target_logits[:L].gather(1, ids[:, None]).squeeze(1).float()
+    if bool(torch.isneginf(zq).any()) or bool(torch.isnan(zq).any()):
+        raise DraftProbabilityError(
+            "a drafted token has draft probability 0 (logit -inf or NaN): the draft logits are not the "
+            "distribution the token was sampled from"
+        )
+    # u ~ U[0,1); accept iff u < ratio (strict: a target-probability-0 token is never accepted)
+    u = torch.rand(L, generator=generator, device=dev, dtype=torch.float32)
+    if lazy is None:
+        lazy = dev.type == "cpu"
+
+    lse_q: list[torch.Tensor] | torch.Tensor
+    lse_p: list[torch.Tensor] | torch.Tensor
+    if lazy:
+        n = L
+        lse_q, lse_p = [], []
+        for j in range(L):
+            lq = _finite_lse(draft_logits[j])
+            lp = _finite_lse(target_logits[j])
+            lse_q.append(lq)
+            lse_p.append(lp)
+            if not _accept(float(u[j]), float((zp[j] - lp) - (zq[j] - lq)), ensemble_weight):
+                n = j
+                break
+    else:
+        lse_q = _finite_lse(draft_logits)
+        lse_p = _finite_lse(target_logits[:L])
+        log_ratio = (zp - lse_p) - (zq - lse_q)
+        ratio = log_ratio.exp()  # +inf when q(x) << p(x): accepted, no NaN since log_ratio is not NaN
+        if ensemble_weight is not None:
+            ratio = (1.0 - ensemble_weight) + ensemble_weight * ratio
+        rejected = ~(u < ratio)
+        n = int(rejected.cumsum(0).eq(0).sum())  # accepted prefix length (one sync)
+
+    if n < L:
+        # residual max(0, p - q) at the rejected row, in place on one V-sized buffer
+        w = (target_logits[n].float() - lse_p[n]).exp_()
+        w.sub_((draft_logits[n].float() - lse_q[n]).exp_()).clamp_min_(0.0)
+        tok, ok = _race(w, generator)
+        if not ok:
+            # p == q to float precision at this row, so the residual vanished numerically. The
+            # rejection itself had probability ~0; the limiting distribution is p (stock would hit
+            # 0/0 here; for its ensemble mode it falls back to p as well).
+            tok = _sample_from_logits(target_logits[n], generator)
+    else:
+        if not bool(torch.isfinite(target_logits[L].max())):
+            raise DraftProbabilityError("the bonus row of target logits cannot be normalized")
+        tok = _sample_from_logits(target_logits[L], generator)
+    out = torch.empty(n + 1, dtype=torch.long, device=dev)
+    out[:n] = ids[:n]
+    out[n] = tok
+    return VerifyResult(n, out)
+
+
+def _accept(u: float, log_ratio: float, ensemble_weight: float | None) -> bool:
+    # log-space comparison: u < exp(log_ratio); math.exp overflow means ratio = inf -> accept
+    if math.isnan(log_ratio):
+        raise DraftProbabilityError("NaN acceptance ratio")
+    ratio = math.exp(log_ratio) if log_ratio < 700.0 else math.inf
+    if ensemble_weight is not None:
+        ratio = (1.0 - ensemble_weight) + ensemble_weight * ratio
+    return u < ratio
+
+
+def sigmoid_probs(z: torch.Tensor, alpha: float = SIGMOID_ALPHA, beta: float = SIGMOID_BETA) -> torch.Tensor:
+    """The seed paper's softmax replacement sigmoid((z - alpha)/(beta - alpha)), elementwise and
+    unnormalized. For |z| << 1e4 every value is ~sigmoid(0.5) ≈ 0.62; -inf maps to 0."""
+    return torch.sigmoid((z.float() - alpha) / (beta - alpha))
+
+
+@torch.no_grad()
+def sigmoid_verify(
+    draft_ids: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    ensemble_weight: float | None = None,
+    generator: torch.Generator | None = None,
+    alpha: float = SIGMOID_ALPHA,
+    beta: float = SIGMOID_BETA,
+) -> VerifyResult:
+    """LOSSY verify: the speculative-sampling algorithm with every softmax replaced by
+    :func:`sigmoid_probs` (acceptance ratio s_p(x)/s_q(x), residual norm(max(0, s_p - s_q)),
+    bonus from norm(s_p)).
+
+    No distributional guarantee: because s ≈ 0.62 for every finite logit, almost every draft is
+    accepted whatever the target says, and the bonus/residual draws are close to uniform over the
+    tokens with finite logits. Measured quality: docs/speculative.md. Warns once per process.
+    """
+    global _SIGMOID_WARNED
+    if not _SIGMOID_WARNED:
+        _SIGMOID_WARNED = True
+        warnings.warn(
+            "sigmoid verify is a lossy approximation of speculative sampling: its output is NOT "
+            "distributed as the target model (see docs/speculative.md)",
+            LossyVerifyWarning,
+            stacklevel=2,
+        )
+    L = _check_shapes(draft_ids, draft_logits, target_logits)
+    dev = target_logits.device
+    ids = draft_ids.to(device=dev, dtype=torch.long)
+    # only the L gathered values are needed for acceptance: no V-sized work unless we resample
+    sq = sigmoid_probs(draft_logits.gather(1, ids[:, None]).squeeze(1), alpha, beta)
+    sp = sigmoid_probs(target_logits[:L].gather(1, ids[:, None]).squeeze(1), alpha, beta)
+    ratio = sp / sq.clamp_min(torch.finfo(torch.float32).tiny)
+    if ensemble_weight is not None:
+        ratio = (1.0 - ensemble_weight) + ensemble_weight * ratio
+    u = torch.rand(L, generator=generator, device=dev, dtype=torch.float32)
+    n = int((~(u < ratio)).cumsum(0).eq(0).sum())
+    if n < L:
+        w = sigmoid_probs(target_logits[n], alpha, beta).sub_(sigmoid_probs(draft_logits[n], alpha, beta))
+        tok, ok = _race(w.clamp_min_(0.0), generator)
+        if not ok:
+            tok, _ = _race(sigmoid_probs(target_logits[n], alpha, beta), generator)
+    else:
+        tok, _ = _race(sigmoid_probs(target_logits[L], alpha, beta), generator)
+    out = torch.empty(n + 1, dtype=torch.long, device=dev)
+    out[:n] = ids[:n]
+    out[n] = tok
+    return VerifyResult(n, out)
+
+
+@torch.no_grad()
+def exact_first_token_distribution(draft_logits_row: torch.Tensor, target_logits_row: torch.Tensor) -> torch.Tensor:
+    """Analytic distribution of the first emitted token of exact speculative sampling (float64):
+    q(x) min(1, p(x)/q(x)) + P(reject) norm(max(0, p - q))(x). Equals p (the theorem); used in tests."""
+    p = torch.softmax(target_logits_row.double(), -1)
+    q = torch.softmax(draft_logits_row.double(), -1)
+    acc = torch.minimum(p, q)
+    res = (p - q).clamp_min(0)
+    rej = 1.0 - acc.sum()
+    return acc + (rej * res / res.sum() if res.sum() > 0 else 0.0)
+
+
+@torch.no_grad()
+def sigmoid_first_token_distribution(
+    draft_logits_row: torch.Tensor,
+    target_logits_row: torch.Tensor,
+    alpha: float = SIGMOID_ALPHA,
+    beta: float = SIGMOID_BETA,
+) -> tuple[torch.Tensor, float]:
+    """Analytic distribution of the first emitted token under :func:`sigmoid_verify` when the draft
+    really samples from q = softmax(draft logits) (float64), and its acceptance probability.
+
+    P(x) = q(x) min(1, s_p(x)/s_q(x)) + P(reject) norm(max(0, s_p - s_q))(x).
+    """
+    q = torch.softmax(draft_logits_row.double(), -1)
+    sp = torch.sigmoid((target_logits_row.double() - alpha) / (beta - alpha))
+    sq = torch.sigmoid((draft_logits_row.double() - alpha) / (beta - alpha))
+    a = torch.where(sq > 0, torch.clamp(sp / sq.clamp_min(1e-300), max=1.0), torch.zeros_like(sq))
+    accept = q * a
+    p_acc = float(accept.sum())
+    res = (sp - sq).clamp_min(0)
+    if float(res.sum()) > 0:
+        res = res / res.sum()
+    else:
+        res = sp / sp.sum()
+    return accept + (1.0 - p_acc) * res, p_acc

@@ -1,0 +1,25 @@
+import os
+import pathlib
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+MODELS = pathlib.Path(os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models")).expanduser()
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+
+
+def model_dir(name: str) -> pathlib.Path:
+    d = MODELS / name
+    if not (d / "PROVENANCE.json").is_file():
+        pytest.skip(f"{name} not prepared: python ../shared/models/prepare.py {name}")
+    return d
+
+
+@pytest.fixture(params=["reference", "cpu"])
+def kernel_backend(request, monkeypatch):
+    """Run a test under each CPU kernel backend (fbgemm fast path and the plain reference)."""
+    monkeypatch.setenv("HF_CSV_KERNELS", request.param)
+    return request.param

@@ -1,0 +1,137 @@
+"""Each certificate's output equals the full computation."""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats as sps
+
+from hf_csv.certificate import CertifiedHead
+from hf_csv.index import VocabIndex
+from hf_csv_kernels import gamma
+
+from test_bounds import exact64, heads
+
+
+def _true_topk_ok(ex64: torch.Tensor, idx: torch.Tensor, k: int, tol: torch.Tensor) -> bool:
+    """Every returned index has a true logit within rounding tolerance of the true k-th largest."""
+    kth = ex64.topk(k, dim=1).values[:, -1:]
+    return bool((ex64.gather(1, idx) >= kth - tol).all())
+
+
+def _tol(W, H):
+    return gamma(W.shape[1] + 2) * 4 * (H.double().abs() @ W.double().abs().T).amax(1, keepdim=True) + 1e-12
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(heads(), st.integers(1, 5), st.sampled_from(["screen", "cluster"]))
+def test_topk_matches_full(head, k, provider):
+    W, bias, H = head
+    k = min(k, W.shape[0])
+    index = VocabIndex.build(W, bias, num_clusters=min(4, W.shape[0]), niter=2, progress=False) if provider == "cluster" else None
+    ch = CertifiedHead(W, bias, provider=provider, index=index, budget=1.0)
+    res = ch.topk(H, k)
+    ex = exact64(W, bias, H)
+    idx = res.logits.topk(k, dim=1).indices
+    assert _true_topk_ok(ex, idx, k, _tol(W, H))
+    # the values returned on S are the exact fp32 logits
+    full = ch.full(H)
+    on = torch.isfinite(res.logits)
+    assert torch.allclose(res.logits[on].double(), full[on].double(), rtol=0, atol=float(_tol(W, H).max()) * 2)
+    # every token outside S is provably below the k-th value
+    assert res.stats.certified == H.shape[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(heads(), st.sampled_from([1e-1, 1e-3, 1e-6]), st.sampled_from([0.5, 1.0, 2.0]))
+def test_epsilon_tv_bound(head, eps, T):
+    W, bias, H = head
+    ch = CertifiedHead(W, bias, budget=1.0)
+    res = ch.epsilon(H, eps=eps, temperature=T)
+    p = torch.softmax(exact64(W, bias, H) / T, dim=1)
+    q = torch.softmax(res.logits.double() / T, dim=1)
+    tv = 0.5 * (p - q).abs().sum(1)
+    # fp32 logits themselves err by up to ~γ_d·Σ|W h| from the float64 truth; that shifts TV by at most that / T
+    rounding = (_tol(W, H)[:, 0] / T).clamp(max=1.0)
+    assert (tv <= eps + rounding + 1e-9).all(), (tv.max().item(), eps)
+    assert res.stats.tv_bound_max <= eps
+
+
+def test_exact_sampling_chi_square():
+    """Lazy Gumbel-max draws are indistinguishable from softmax(ℓ/T): chi-square at α = 0.001."""
+    g = torch.Generator().manual_seed(1234)
+    V, d, n = 40, 16, 40000
+    W = torch.randn(V, d, generator=g) * 0.5
+    b = torch.randn(V, generator=g) * 0.3
+    h = torch.randn(1, d, generator=g)
+    for T, top_k in [(1.0, None), (0.7, None), (1.3, 5)]:
+        ch = CertifiedHead(W, b, budget=1.0)
+        res = ch.sample(h.expand(n, d).contiguous(), temperature=T, top_k=top_k, generator=g)
+        logits = exact64(W, b, h)[0] / T
+        if top_k:
+            kth = logits.topk(top_k).values[-1]
+            logits = torch.where(logits >= kth, logits, torch.tensor(float("-inf"), dtype=logits.dtype))
+        p = torch.softmax(logits, 0)
+        counts = torch.bincount(res.tokens, minlength=V).double()
+        assert counts[p == 0].sum() == 0
+        keep = p * n >= 5  # pool small expected counts into one cell
+        obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+        exp = torch.cat([p[keep] * n, (p[~keep] * n).sum()[None]])
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        stat, pval = sps.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
+        assert pval > 1e-3, (T, top_k, pval)
+        assert res.stats.mean_subvocab_fraction < 1.0
+
+
+def test_budget_fallback_is_exact_and_counted():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(300, 8, generator=g)
+    H = torch.randn(3, 8, generator=g)
+    ch = CertifiedHead(W, budget=1)
+    res = ch.topk(H, 2)
+    assert res.stats.fallback + res.stats.certified == 3
+    assert torch.equal(res.logits.topk(2).indices, ch.full(H).topk(2).indices) or res.stats.fallback == 3
+    assert torch.isfinite(res.logits[res.mask.all(1)]).all()
+
+
+def test_nonfinite_hidden_state_falls_back_counted():
+    W = torch.randn(100, 8)
+    H = torch.randn(3, 8)
+    H[1, 2] = float("nan")
+    res = CertifiedHead(W).topk(H)
+    assert res.stats.nonfinite == 1 and res.stats.fallback >= 1
+    assert torch.isnan(res.logits[1]).all()  # same as the full head: no silent token
+    assert torch.equal(res.logits[[0, 2]].argmax(1), (H[[0, 2]] @ W.T).argmax(1))
+
+
+def test_bad_inputs_raise_clearly():
+    ch = CertifiedHead(torch.randn(10, 4))
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        ch.topk(torch.randn(2, 5))
+    with pytest.raises(TypeError):
+        ch.topk(torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="k must be"):
+        ch.topk(torch.randn(1, 4), k=11)
+    with pytest.raises(ValueError, match="epsilon"):
+        ch.epsilon(torch.randn(1, 4), eps=0)
+    with pytest.raises(ValueError, match="temperature"):
+        ch.sample(torch.randn(1, 4), temperature=0)
+    with pytest.raises(ValueError, match="budget"):
+        CertifiedHead(torch.randn(10, 4), budget=1.5)
+    with pytest.raises(ValueError, match="provider"):
+        CertifiedHead(torch.randn(10, 4), provider="magic")
+
+
+def test_bf16_out_dtype_keeps_rounding_ties():
+    """With out_dtype=bf16, tokens that round to the top value are all in S (matches a bf16 head)."""
+    g = torch.Generator().manual_seed(3)
+    W = (torch.randn(2000, 32, generator=g) * 0.02).bfloat16()
+    H = torch.randn(8, 32, generator=g).bfloat16()
+    res = CertifiedHead(W).topk(H.float(), 1, out_dtype=torch.bfloat16)
+    stock = (H.float() @ W.float().T).bfloat16()
+    top = stock.max(1, keepdim=True).values
+    tied = stock == top
+    assert (res.mask | ~tied).all()
+    assert torch.equal(res.logits.max(1).values, top[:, 0])
