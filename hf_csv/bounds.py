@@ -35,12 +35,6 @@ class BoundProvider(Protocol):
         """(est, upper), both float32 [N, V], bias included; upper >= true logits."""
 
 
-def _bias_margin(est: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # one float add (est + b) and the final add of the radius: 2u·(|est| + |b|)
-    mag = est.abs() if bias is None else est.abs() + bias.abs()
-    return mag * (2 * unit_roundoff())
-
-
 class ScreenProvider:
     """Certified int8 screen over every token.
 
@@ -59,6 +53,7 @@ class ScreenProvider:
         self.vocab_size, self.hidden_size = weight.shape
         self.device = weight.device
         self.bias = None if bias is None else bias.detach().float()
+        self._bias_margin = None if bias is None else self.bias.abs() * (2 * unit_roundoff())
         self.rows = quantize_rows_int8(weight.detach())
         self.num_outliers = min(int(num_outliers), self.hidden_size)
         self.state = None
@@ -82,8 +77,12 @@ class ScreenProvider:
             self.calibrate(H)
         est, rad = get_op("screen_int8", H.device)(self.state, H)
         if self.bias is not None:
-            est = est + self.bias
-        upper = est + rad + _bias_margin(est, self.bias)
+            est = est.add_(self.bias)
+        # rounding of the bias add and of est + rad: 2u(|est| + |b|), with |est - b| <= 2·||Ŵ_i||_1·||h||_∞
+        # (|ĥ_j| <= |h_j| + one quantization step), folded into one fused op per term
+        upper = torch.add(est, rad).addcmul_(self.rows.l1, H.float().abs().amax(1, keepdim=True) * (4 * unit_roundoff()))
+        if self.bias is not None:
+            upper.add_(self._bias_margin)
         return est, upper
 
 

@@ -42,6 +42,7 @@ class CertStats:
     tv_bound_max: float = 0.0
     radius_sum: float = 0.0
     vocab_size: int = 0
+    collect_radius: bool = True
 
     def merge(self, other: "CertStats") -> "CertStats":
         for f in ("rows", "certified", "fallback", "nonfinite", "subvocab_sum", "near_ties"):
@@ -145,12 +146,14 @@ class CertifiedHead:
         counts = S.sum(1)
         over = counts > self.budget
         big = (counts > self._dense_cutoff) & ~over
-        sparse = S & ~(over | big)[:, None]
+        special = over | big
+        sparse = S & ~special[:, None] if bool(special.any()) else S
         r, t = sparse.nonzero(as_tuple=True)
         vals, _ = self.exact(t, r, H)
         logits = torch.full((N, V), float("-inf"), dtype=out_dtype, device=H.device)
         logits[r, t] = vals.to(out_dtype)
-        stats.radius_sum += float((U[r, t] - vals).sum())
+        if stats.collect_radius:
+            stats.radius_sum += float((U[r, t] - vals).sum())
         if big.any():  # within budget but large: one dense GEMM is cheaper than a gather
             idx = big.nonzero(as_tuple=True)[0]
             dense = self.full(H[idx])

@@ -117,8 +117,7 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     m = h_rest.abs().amax(dim=1, keepdim=True)
     m = torch.where(m > 0, m, torch.ones_like(m))
     X = h_rest / m
-    y = torch.ops.quantized.linear_dynamic(X, state.packed, True)
-    est = y * m
+    est = torch.ops.quantized.linear_dynamic(X, state.packed, True).mul_(m)
     if J.numel():
         est.addmm_(H[:, J], state.w_outlier.T)
     # the step fbgemm chooses: range of X over the whole batch, including 0, over 127 levels
@@ -128,5 +127,5 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     hinf = H.abs().amax(dim=1, keepdim=True)
     coef = act + (64 * u + gamma(J.numel() + 2)) * hinf
     hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * u)
-    rad = torch.addcmul(rows.err_l2 * hn2, rows.l1, coef.expand(-1, 1))
+    rad = torch.mul(rows.err_l2, hn2).addcmul_(rows.l1, coef)
     return est, rad
