@@ -22,6 +22,7 @@ _LAZY = {
     "install": "hf_csv.generation",
     "uninstall": "hf_csv.generation",
     "CSVLogitsProcessor": "hf_csv.processors",
+    "patch_speculative_sampling": "hf_csv.verify",
 }
 
 __all__ = ["CertifiedHead", "CertResult", "CertStats", "VocabIndex", "IndexConfig", "CSVError",

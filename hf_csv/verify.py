@@ -1,0 +1,269 @@
+"""transformers integration of the fast verify step: a scoped patch of ``_speculative_sampling``.
+
+``transformers.generation.utils._assisted_decoding`` looks the module global
+``_speculative_sampling`` up at call time (transformers 5.23), so replacing that global is the one
+narrow point we patch. Usage::
+
+    from hf_csv.verify import patch_speculative_sampling
+
+    with patch_speculative_sampling():            # mode="exact": same distribution as stock
+        out = model.generate(ids, assistant_model=draft, do_sample=True)
+
+    with patch_speculative_sampling("sigmoid"):   # LOSSY, opt-in, warns
+        ...
+
+Guarantees:
+
+* ``mode="exact"``: the emitted tokens have exactly the distribution the stock function produces
+  (the target model's), proof in docs/speculative.md; return values have stock's shapes and dtypes.
+* Scoped and restoring: the original function is put back when the last active scope exits, also
+  when the body raises. Scopes nest.
+* Thread-safe: installation is reference-counted under a lock, and the mode is *thread-local* — a
+  thread that has not entered a scope always gets the stock function, even while another thread
+  is inside one. (Consequence: enter the scope in the thread that calls ``generate``.)
+* Fails clearly (:class:`~hf_csv.errors.UnsupportedVersionError`) on a transformers version or a
+  stock signature this module was not written against.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+from hf_csv_kernels.verify import LossyVerifyWarning, VerifyResult, exact_verify, sigmoid_verify
+
+from .errors import UnsupportedVersionError
+
+__all__ = [
+    "patch_speculative_sampling",
+    "SpeculativePatch",
+    "speculative_sampling_exact",
+    "speculative_sampling_sigmoid",
+    "check_transformers_version",
+    "SUPPORTED_TRANSFORMERS",
+    "LossyVerifyWarning",
+]
+
+Mode = Literal["exact", "sigmoid"]
+
+# transformers versions whose `_speculative_sampling` we read and replicate (major.minor prefix)
+SUPPORTED_TRANSFORMERS: tuple[str, ...] = ("5.23.",)
+# the stock signature we replace; checked so that a silent upstream change cannot slip through
+_STOCK_PARAMS = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits",
+                 "assistant_ensemble_weight")
+
+
+def check_transformers_version() -> Any:
+    """Import ``transformers.generation.utils`` and check version and stock signature.
+
+    Raises:
+        UnsupportedVersionError: unknown transformers version, or the module global is missing or
+            has another signature.
+    """
+    import transformers
+    from transformers.generation import utils as gen_utils
+
+    version = transformers.__version__
+    if not any(version.startswith(v) for v in SUPPORTED_TRANSFORMERS):
+        raise UnsupportedVersionError(
+            f"hf_csv.verify supports transformers {', '.join(v + 'x' for v in SUPPORTED_TRANSFORMERS)}; "
+            f"found {version}. The patched `_speculative_sampling` may have changed: refusing to patch."
+        )
+    fn = getattr(gen_utils, "_speculative_sampling", None)
+    if fn is None:
+        raise UnsupportedVersionError("transformers.generation.utils._speculative_sampling not found")
+    target = getattr(fn, "__hf_csv_original__", fn)
+    params = tuple(inspect.signature(target).parameters)
+    if params != _STOCK_PARAMS:
+        raise UnsupportedVersionError(
+            f"unexpected _speculative_sampling signature {params}; expected {_STOCK_PARAMS}"
+        )
+    return gen_utils
+
+
+def _adapt(
+    verify: Callable[..., VerifyResult],
+    candidate_input_ids: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+    assistant_ensemble_weight: float | None,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock calling convention -> kernel -> stock return values.
+
+    Stock (5.23) shapes: candidate_input_ids [1, cur + L], candidate_logits [1, L, V],
+    new_logits [1, L + 1, V]; returns (valid_tokens int64 [1, n + 1], n_matches 0-d int64 tensor).
+    """
+    if candidate_logits.dim() != 3 or new_logits.dim() != 3:
+        raise ValueError("candidate_logits and new_logits must be [batch, length, vocab]")
+    if candidate_input_ids.shape[0] != 1 or candidate_logits.shape[0] != 1 or new_logits.shape[0] != 1:
+        # stock squeezes the batch dim away: assisted decoding is batch-size-1 only
+        raise ValueError("speculative sampling supports batch size 1 only (as transformers' assisted decoding)")
+    L = int(candidate_length)
+    if candidate_logits.shape[1] != L or new_logits.shape[1] != L + 1:
+        raise ValueError(
+            f"candidate_length={L} but candidate_logits has {candidate_logits.shape[1]} and new_logits "
+            f"{new_logits.shape[1]} positions (expected L and L+1)"
+        )
+    ids = candidate_input_ids[0, candidate_input_ids.shape[1] - L :]
+    res = verify(ids, candidate_logits[0], new_logits[0], ensemble_weight=assistant_ensemble_weight, **kw)
+    valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
+    return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
+
+
+def speculative_sampling_exact(
+    candidate_input_ids: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+    assistant_ensemble_weight: float | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for stock ``_speculative_sampling`` with the same output distribution (see
+    :func:`hf_csv_kernels.verify.exact_verify`), faster. Returns (valid_tokens, n_matches)."""
+    return _adapt(exact_verify, candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                  assistant_ensemble_weight, generator=generator)
+
+
+def speculative_sampling_sigmoid(
+    candidate_input_ids: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+    assistant_ensemble_weight: float | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LOSSY stand-in for ``_speculative_sampling`` (seed paper's sigmoid approximation). Does not
+    warn itself; :func:`patch_speculative_sampling` warns once per scope."""
+    return _adapt(sigmoid_verify, candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                  assistant_ensemble_weight, generator=generator, warn=False)
+
+
+_IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "exact": speculative_sampling_exact,
+    "sigmoid": speculative_sampling_sigmoid,
+}
+
+
+@dataclass
+class SpeculativePatch:
+    """Handle of one active scope: its mode and how often the patched verify ran in it."""
+
+    mode: Mode
+    generator: torch.Generator | None = None
+    calls: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens over this scope (before stock's eos/max-length crop)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+_lock = threading.RLock()
+_installed: dict[str, Any] = {"depth": 0, "original": None, "module": None}
+_local = threading.local()
+
+
+def _stack() -> list[SpeculativePatch]:
+    st = getattr(_local, "stack", None)
+    if st is None:
+        st = _local.stack = []
+    return st
+
+
+def _dispatch(
+    candidate_input_ids: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+    assistant_ensemble_weight: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Installed in place of the stock global: routes to this thread's innermost scope, or to
+    the original function for threads outside any scope."""
+    st = getattr(_local, "stack", None)
+    if not st:
+        return _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
+            candidate_input_ids, candidate_logits, candidate_length, new_logits,
+            assistant_ensemble_weight=assistant_ensemble_weight,
+        )
+    h = st[-1]
+    valid, n = _IMPLS[h.mode](candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                              assistant_ensemble_weight, generator=h.generator)
+    h.calls += 1
+    h.drafted += int(candidate_length)
+    h.accepted += valid.shape[1] - 1
+    return valid, n
+
+
+class patch_speculative_sampling:  # noqa: N801 (used like a function)
+    """Context manager: replace ``transformers.generation.utils._speculative_sampling`` with the
+    fast exact verify (``mode="exact"``) or the lossy sigmoid verify (``mode="sigmoid"``, warns
+    with :class:`LossyVerifyWarning` on entry) for the current thread, restoring on exit.
+
+    Args:
+        mode: ``"exact"`` or ``"sigmoid"``.
+        generator: optional ``torch.Generator`` for the verify's random draws.
+
+    Yields a :class:`SpeculativePatch` with call and acceptance counters.
+    """
+
+    def __init__(self, mode: Mode = "exact", *, generator: torch.Generator | None = None) -> None:
+        if mode not in _IMPLS:
+            raise ValueError(f"mode must be one of {sorted(_IMPLS)}, got {mode!r}")
+        self.handle = SpeculativePatch(mode=mode, generator=generator)
+
+    def __enter__(self) -> SpeculativePatch:
+        gen_utils = check_transformers_version()
+        if self.handle.mode == "sigmoid":
+            warnings.warn(
+                "hf_csv sigmoid verify is LOSSY: assisted sampling will not follow the target model's "
+                "distribution (nearly every draft token is accepted). See docs/speculative.md.",
+                LossyVerifyWarning,
+                stacklevel=2,
+            )
+        with _lock:
+            if _installed["depth"] == 0:
+                current = gen_utils._speculative_sampling
+                if current is _dispatch:  # left behind by a foreign restore order; reuse its original
+                    current = _dispatch.__hf_csv_original__  # type: ignore[attr-defined]
+                _dispatch.__hf_csv_original__ = current  # type: ignore[attr-defined]
+                _installed.update(original=current, module=gen_utils)
+                gen_utils._speculative_sampling = _dispatch
+            _installed["depth"] += 1
+        _stack().append(self.handle)
+        return self.handle
+
+    def __exit__(self, *exc: object) -> None:
+        st = _stack()
+        # remove this scope even if inner scopes exited out of order
+        for i in range(len(st) - 1, -1, -1):
+            if st[i] is self.handle:
+                del st[i]
+                break
+        with _lock:
+            _installed["depth"] -= 1
+            if _installed["depth"] == 0:
+                mod = _installed["module"]
+                if mod._speculative_sampling is _dispatch:
+                    mod._speculative_sampling = _installed["original"]
+                else:
+                    # someone patched on top of us; restoring would clobber their patch
+                    warnings.warn("transformers' _speculative_sampling was replaced by another patch "
+                                  "inside an hf_csv scope; leaving it in place", RuntimeWarning, stacklevel=2)
+                _installed.update(original=None, module=None)
+        return None
+
+
+def installed_original() -> Callable[..., Any] | None:
+    """The stock function while a scope is active (None otherwise); for tests and benchmarks."""
+    return _installed["original"]
+

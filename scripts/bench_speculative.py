@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Benchmark of the speculative-sampling verify step: stock vs hf_csv exact vs hf_csv sigmoid.
+
+Part 1 (this file): the verify step alone, as transformers calls it
+(``_speculative_sampling(candidate_input_ids, candidate_logits, L, new_logits)``), on synthetic
+LM-like logits for V in {49152, 151936, 262144} and draft lengths 1..8; median wall times,
+ratios to stock measured in the same run (calls interleaved round-robin), plus the sigmoid mode's
+quality (acceptance rate and total-variation distance of its first emitted token from the target
+distribution), analytically, on a real target/draft pair when available.
+
+Part 2 (end-to-end assisted generation) is a hook: implement :func:`bench_end_to_end` and pass
+``--part2``; its dict is merged into the JSON under ``"end_to_end"``.
+
+Run under the shared lock:  flock /tmp/hf_csv_bench.lock python scripts/bench_speculative.py --json out/spec.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hf_csv.verify import (  # noqa: E402
+    LossyVerifyWarning,
+    check_transformers_version,
+    speculative_sampling_exact,
+    speculative_sampling_sigmoid,
+)
+from hf_csv_kernels.verify import exact_first_token_distribution, sigmoid_first_token_distribution  # noqa: E402
+
+MODELS = pathlib.Path(os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models")).expanduser()
+PROMPTS = ROOT.parent / "shared" / "models" / "prompts.jsonl"
+
+
+# ----------------------------------------------------------------------------- synthetic logits
+
+
+def lm_like_logits(V: int, rows: int, g: torch.Generator, temp: float = 1.0) -> torch.Tensor:
+    """Zipf-shaped logits (z = -1.1 log rank + N(0, 0.5^2), random rank order per row): peaked
+    like real next-token distributions (top-1 probability ~0.1-0.5)."""
+    ranks = torch.stack([torch.randperm(V, generator=g) for _ in range(rows)]).float() + 1.0
+    return (-1.1 * ranks.log() + 0.5 * torch.randn(rows, V, generator=g)) / temp
+
+
+def make_case(V: int, L: int, g: torch.Generator, draft_noise: float = 1.0):
+    """Target rows [L+1, V]; draft rows = target + N(0, draft_noise^2) noise (a weaker model's view);
+    drafted ids sampled from the draft's softmax, as the assistant does."""
+    zp = lm_like_logits(V, L + 1, g)
+    zq = zp[:L] + draft_noise * torch.randn(L, V, generator=g)
+    ids = torch.multinomial(torch.softmax(zq, -1), 1, generator=g).squeeze(1)
+    cand = torch.cat([torch.zeros(16, dtype=torch.long), ids])[None]
+    return cand, zq[None].contiguous(), zp[None].contiguous()
+
+
+# ----------------------------------------------------------------------------- part 1: verify step
+
+
+def bench_verify(Vs: list[int], Ls: list[int], repeats: int, cases: int, seed: int) -> dict[str, Any]:
+    """Median time of stock / exact / sigmoid verify per (V, L), calls interleaved round-robin over
+    ``cases`` different inputs so that all three see the same machine state."""
+    gen_utils = check_transformers_version()
+    stock = gen_utils._speculative_sampling
+    fns: dict[str, Callable[..., Any]] = {
+        "stock": stock,
+        "exact": speculative_sampling_exact,
+        "sigmoid": speculative_sampling_sigmoid,
+    }
+    g = torch.Generator().manual_seed(seed)
+    grid = []
+    acc_counts = {k: [0, 0] for k in fns}
+    for V in Vs:
+        for L in Ls:
+            inputs = [make_case(V, L, g) for _ in range(cases)]
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            for name, f in fns.items():  # warm-up
+                f(inputs[0][0], inputs[0][1], L, inputs[0][2])
+            for r in range(repeats):
+                cand, zq, zp = inputs[r % cases]
+                order = list(fns.items())
+                order = order[r % 3 :] + order[: r % 3]  # rotate who goes first
+                for name, f in order:
+                    t0 = time.perf_counter()
+                    valid, n = f(cand, zq, L, zp)
+                    times[name].append(time.perf_counter() - t0)
+                    acc_counts[name][0] += valid.shape[1] - 1
+                    acc_counts[name][1] += L
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            row = {
+                "V": V,
+                "L": L,
+                "stock_ms": med["stock"],
+                "exact_ms": med["exact"],
+                "sigmoid_ms": med["sigmoid"],
+                "speedup_exact": med["stock"] / med["exact"],
+                "speedup_sigmoid": med["stock"] / med["sigmoid"],
+            }
+            grid.append(row)
+            print(f"V={V:6d} L={L}  stock {med['stock']:7.3f} ms  exact {med['exact']:7.3f} ms "
+                  f"({row['speedup_exact']:.2f}x)  sigmoid {med['sigmoid']:7.3f} ms ({row['speedup_sigmoid']:.2f}x)",
+                  flush=True)
+    return {
+        "grid": grid,
+        "verify_speedup_exact": statistics.median(r["speedup_exact"] for r in grid),
+        "verify_speedup_exact_min": min(r["speedup_exact"] for r in grid),
+        "verify_speedup_exact_max": max(r["speedup_exact"] for r in grid),
+        "verify_speedup_sigmoid": statistics.median(r["speedup_sigmoid"] for r in grid),
+        "synthetic_acceptance": {k: a / max(d, 1) for k, (a, d) in acc_counts.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- sigmoid quality
+
+
+def _top_k_mask(z: torch.Tensor, k: int) -> torch.Tensor:
+    kth = z.topk(k, -1).values[..., -1:]
+    return z.masked_fill(z < kth, float("-inf"))
+
+
+def quality_rows(zp_rows: torch.Tensor, zq_rows: torch.Tensor, top_k: int | None) -> dict[str, float]:
+    """Analytic per-position acceptance and TV(first emitted token, target) for sigmoid and exact."""
+    if top_k:
+        zp_rows, zq_rows = _top_k_mask(zp_rows, top_k), _top_k_mask(zq_rows, top_k)
+    s_acc, s_tv, e_acc, e_tv = [], [], [], []
+    for zp, zq in zip(zp_rows, zq_rows):
+        p = torch.softmax(zp.double(), -1)
+        law, a = sigmoid_first_token_distribution(zq, zp)
+        s_acc.append(a)
+        s_tv.append(0.5 * float((law - p).abs().sum()))
+        q = torch.softmax(zq.double(), -1)
+        e_acc.append(float(torch.minimum(p, q).sum()))
+        e_tv.append(0.5 * float((exact_first_token_distribution(zq, zp) - p).abs().sum()))
+    m = statistics.mean
+    return {"positions": len(s_acc), "sigmoid_acceptance": m(s_acc), "sigmoid_tv_from_target": m(s_tv),
+            "sigmoid_tv_max": max(s_tv), "exact_acceptance": m(e_acc), "exact_tv_from_target": m(e_tv)}
+
+
+@torch.no_grad()
+def real_pair_logits(target: str, draft: str, n_prompts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Teacher-forced next-token logits of a real target/draft pair (same tokenizer) on the shared
+    prompts; None when the models are not prepared."""
+    td, dd = MODELS / target, MODELS / draft
+    if not ((td / "PROVENANCE.json").is_file() and (dd / "PROVENANCE.json").is_file() and PROMPTS.is_file()):
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(td)
+    tm = AutoModelForCausalLM.from_pretrained(td, dtype=torch.float32).eval()
+    dm = AutoModelForCausalLM.from_pretrained(dd, dtype=torch.float32).eval()
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()][:n_prompts]
+    zps, zqs = [], []
+    for text in prompts:
+        ids = tok(text, return_tensors="pt").input_ids
+        zp = tm(ids).logits[0].float()
+        zq = dm(ids).logits[0].float()
+        V = min(zp.shape[-1], zq.shape[-1])  # padded vocab rows: keep the shared ids
+        zps.append(zp[:, :V])
+        zqs.append(zq[:, :V])
+    return torch.cat(zps), torch.cat(zqs)
+
+
+def bench_quality(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(args.seed + 1)
+    zp = lm_like_logits(49152, 64, g)
+    zq = zp + torch.randn(64, 49152, generator=g)
+    out["synthetic_V49152"] = {"T1": quality_rows(zp, zq, None), "top_k50": quality_rows(zp, zq, 50)}
+    if not args.no_real:
+        pair = real_pair_logits(args.target, args.draft, args.prompts)
+        if pair is not None:
+            zp, zq = pair
+            out[f"real_{args.target}_vs_{args.draft}"] = {
+                "T1": quality_rows(zp, zq, None), "top_k50": quality_rows(zp, zq, 50)}
+    return out
+
+
+# ----------------------------------------------------------------------------- part 2 hook
+
+
+def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 2 hook (for the lead): end-to-end ``model.generate(assistant_model=..., do_sample=True)``
+    stock vs inside ``hf_csv.verify.patch_speculative_sampling(mode)``; return a JSON-able dict
+    (e.g. tokens/s per mode, acceptance rates, the ratio to stock)."""
+    raise NotImplementedError("part 2 (end-to-end assisted generation) is not implemented yet")
+
+
+# ----------------------------------------------------------------------------- plot + main
+
+
+def plot(res: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = res["grid"]
+    Vs = sorted({r["V"] for r in grid})
+    fig, axes = plt.subplots(1, len(Vs), figsize=(5 * len(Vs), 4), sharey=True)
+    for ax, V in zip(axes if len(Vs) > 1 else [axes], Vs):
+        rows = [r for r in grid if r["V"] == V]
+        Ls = [r["L"] for r in rows]
+        for key, label in (("stock_ms", "stock"), ("exact_ms", "hf_csv exact"), ("sigmoid_ms", "sigmoid (lossy)")):
+            ax.plot(Ls, [r[key] for r in rows], marker="o", label=label)
+        ax.set_title(f"verify step, V = {V}")
+        ax.set_xlabel("draft length L")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    (axes[0] if len(Vs) > 1 else axes).set_ylabel("median time per call (ms)")
+    (axes[0] if len(Vs) > 1 else axes).legend()
+    fig.suptitle(f"speculative verify: median exact speedup {res['verify_speedup_exact']:.2f}x "
+                 f"(threads={res['env']['torch_threads']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=pathlib.Path, required=True, help="output JSON")
+    ap.add_argument("--png", type=pathlib.Path, default=None, help="plot (default: JSON path with .png)")
+    ap.add_argument("--V", type=int, nargs="+", default=[49152, 151936, 262144])
+    ap.add_argument("--L", type=int, nargs="+", default=list(range(1, 9)))
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls per function and grid cell")
+    ap.add_argument("--cases", type=int, default=10, help="distinct inputs per grid cell")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default="qwen-coder-1.5b", help="real target for the sigmoid quality")
+    ap.add_argument("--draft", default="qwen-coder-0.5b", help="real draft (same tokenizer)")
+    ap.add_argument("--prompts", type=int, default=12, help="prompts for the quality measurement")
+    ap.add_argument("--no-real", action="store_true", help="skip the real-model quality measurement")
+    ap.add_argument("--part2", action="store_true", help="also run bench_end_to_end (part 2 hook)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", LossyVerifyWarning)
+    import transformers
+
+    res: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count()},
+    }
+    res.update(bench_verify(args.V, args.L, args.repeats, args.cases, args.seed))
+    quality = bench_quality(args)
+    res["quality"] = quality
+    real = [k for k in quality if k.startswith("real_")]
+    src = quality[real[0]] if real else quality["synthetic_V49152"]
+    res["quality_source"] = real[0] if real else "synthetic_V49152"
+    res["sigmoid_acceptance"] = src["T1"]["sigmoid_acceptance"]
+    res["sigmoid_tv_from_target"] = src["T1"]["sigmoid_tv_from_target"]
+    if args.part2:
+        res["end_to_end"] = bench_end_to_end(args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=2))
+    png = args.png or args.json.with_suffix(".png")
+    plot(res, png)
+    print(json.dumps({k: res[k] for k in ("verify_speedup_exact", "verify_speedup_sigmoid", "sigmoid_acceptance",
+                                          "sigmoid_tv_from_target", "quality_source")}, indent=2))
+    print(f"wrote {args.json} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
