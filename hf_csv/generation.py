@@ -1,0 +1,323 @@
+"""``model.generate(..., csv_config=CSVConfig(...))``: the certified head inside transformers generation.
+
+Use::
+
+    import hf_csv
+    model = hf_csv.enable(model)                      # once; returns the same model
+    out = model.generate(**inputs, csv_config=hf_csv.CSVConfig())
+
+``enable`` sets an instance-level ``generate`` that pops ``csv_config`` before the class's
+``generate`` (whose ``_validate_model_kwargs`` rejects unknown kwargs, DESIGN.md §5). Without
+``csv_config`` it calls the class's ``generate`` directly: bitwise stock, modules untouched.
+``install()`` does the same for every model by patching ``GenerationMixin.generate`` (and
+Whisper's override); ``uninstall()`` restores them.
+
+During a certified call two narrow, scoped, restoring patches are active for that model only
+(docs/processors.md): the output head is swapped for :class:`hf_csv.head.CSVHead`, and an
+instance-level ``_get_logits_processor`` inspects the processors generate built, picks the
+certificate (:func:`decide_mode`) and appends a :class:`CSVLogitsProcessor` when needed.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ._compat import check_transformers_version
+from .config import CSVConfig
+from .head import (CSVSession, _tlog, active_session, find_head, get_certified_head, model_out_dtype,
+                   model_softcap, swapped_head)
+from .processors import CSVLogitsProcessor
+
+check_transformers_version()
+
+__all__ = ["enable", "disable", "install", "uninstall", "decide_mode", "classify_processor", "csv_generate"]
+
+# How each stock processor relates to the certificate (docs/processors.md has the table).
+#   order: the same increasing map on every token (commutes with any certificate)
+#   topk:  keeps the K largest (exact with a top-K certificate, K known)
+#   lower: lowers (or sets to constants) particular tokens; commutes with top-k after a check
+#   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
+#   full:  may raise uncomputed tokens or reads all logits: full head
+_KIND = {
+    "TemperatureLogitsWarper": "order",
+    "InfNanRemoveLogitsProcessor": "order",
+    "TopKLogitsWarper": "topk",
+    "MinLengthLogitsProcessor": "lower",
+    "MinNewTokensLengthLogitsProcessor": "lower",
+    "NoRepeatNGramLogitsProcessor": "lower",
+    "EncoderNoRepeatNGramLogitsProcessor": "lower",
+    "NoBadWordsLogitsProcessor": "lower",
+    "PrefixConstrainedLogitsProcessor": "lower",
+    "ForcedBOSTokenLogitsProcessor": "lower",
+    "ForcedEOSTokenLogitsProcessor": "lower",
+    "SuppressTokensLogitsProcessor": "lower",
+    "SuppressTokensAtBeginLogitsProcessor": "lower",
+    "HammingDiversityLogitsProcessor": "lower",
+    "LogitNormalization": "norm",
+    "TopPLogitsWarper": "norm",
+    "TopHLogitsWarper": "norm",
+    "MinPLogitsWarper": "norm",
+    "TypicalLogitsWarper": "norm",
+    "EpsilonLogitsWarper": "norm",
+    "EtaLogitsWarper": "norm",
+    "EncoderRepetitionPenaltyLogitsProcessor": "full",
+    "ExponentialDecayLengthPenalty": "full",
+    "ClassifierFreeGuidanceLogitsProcessor": "full",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "full",
+    "WatermarkLogitsProcessor": "full",
+    "SynthIDTextWatermarkLogitsProcessor": "full",
+    "WhisperTimeStampLogitsProcessor": "full",
+    "WhisperNoSpeechDetection": "full",
+    "BarkEosPrioritizerLogitsProcessor": "full",
+    "AlternatingCodebooksLogitsProcessor": "full",
+}
+
+
+def classify_processor(p: Any) -> str:
+    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``full`` | ``csv`` for one logits processor.
+
+    Custom processors may declare ``csv_kind`` (one of the above) to opt in; unknown ones are
+    ``full`` (they might raise an uncomputed token).
+    """
+    kind = getattr(p, "csv_kind", None)
+    if kind in ("order", "topk", "lower", "norm", "full", "csv"):
+        return kind
+    name = type(p).__name__
+    if name == "RepetitionPenaltyLogitsProcessor":
+        # penalty >= 1 lowers the scores of seen tokens; < 1 raises them
+        return "lower" if float(getattr(p, "penalty", 1.0)) >= 1.0 else "full"
+    if name == "SequenceBiasLogitsProcessor":
+        bias = getattr(p, "sequence_bias", None) or {}
+        vals = bias.values() if isinstance(bias, dict) else [v for _, v in bias]
+        return "lower" if all(float(v) <= 0 for v in vals) else "full"
+    return _KIND.get(name, "full")
+
+
+def decide_mode(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
+    """Pick the certificate for this decoding call from the generation config and processors.
+
+    Sets ``session.mode`` (``topk`` / ``beam`` / ``sample`` / ``epsilon`` / ``full``), ``k``,
+    ``temperature``, ``top_k`` and ``verify``; every fallback to the full head logs its reason.
+    """
+    gc = generation_config
+    cfg = session.config
+    session.reasons.clear()
+    session.verify = False
+    if session.force_full:
+        session.set_full(session.force_full)
+        return session
+    if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_logits", False):
+        session.set_full("output_logits=True: the raw logits must be the full head's")
+        return session
+    if getattr(gc, "watermarking_config", None) is not None:
+        session.set_full("watermarking reads every logit")
+        return session
+    gs = getattr(gc, "guidance_scale", None)
+    if gs is not None and gs != 1:
+        session.set_full("classifier-free guidance mixes two heads' logits")
+        return session
+    kinds = {}
+    for p in processors:
+        kinds.setdefault(classify_processor(p), []).append(type(p).__name__)
+    if "full" in kinds:
+        session.set_full(f"processors that can raise uncomputed scores or read all logits: {kinds['full']}")
+        return session
+    num_beams = int(getattr(gc, "num_beams", 1) or 1)
+    do_sample = bool(getattr(gc, "do_sample", False))
+    temperature, top_k = 1.0, None
+    for p in processors:
+        if type(p).__name__ == "TemperatureLogitsWarper":
+            temperature *= float(p.temperature)
+        elif type(p).__name__ == "TopKLogitsWarper":
+            top_k = int(p.top_k) if top_k is None else min(top_k, int(p.top_k))
+    session.temperature, session.top_k = temperature, top_k
+    lower = "lower" in kinds
+    norm = "norm" in kinds
+    if session.softcap and (do_sample or num_beams > 1):
+        session.set_full("final_logit_softcapping maps -inf to -cap; only greedy is certified")
+        return session
+    if getattr(session, "assisted", False) and do_sample:
+        session.set_full("assisted sampling (speculative sampling) needs the full target distribution")
+        return session
+    if not do_sample and num_beams == 1:
+        # greedy: argmax of processed scores; normalizers keep order, lower-only ones need the check
+        session.mode, session.k, session.verify = "topk", 1, lower
+        return session
+    if not do_sample and num_beams > 1:
+        if norm and kinds["norm"] != ["LogitNormalization"]:
+            session.set_full(f"beam search with normalizing processors {kinds['norm']}")
+            return session
+        # beam search takes a log_softmax over V: a top-k certificate leaves the normalizer (and so
+        # every beam score) wrong. Only the ε-certificate bounds it, and with the int8 screen's
+        # bounds it opens most of V (measured: docs/processors.md), so auto uses the full head.
+        if cfg.mode == "auto":
+            session.set_full("beam search's log_softmax needs the normalizer over all of V; "
+                             "CSVConfig(mode='epsilon') tries the beam_epsilon certificate")
+            return session
+        # ε-certificate; the top-2·num_beams of every row is then checked by CSVLogitsProcessor
+        session.mode, session.k, session.verify = "beam", 2 * num_beams, True
+        return session
+    if num_beams > 1:
+        session.set_full("beam sampling is not certified")
+        return session
+    # multinomial sampling
+    if lower:
+        session.set_full(f"sampling with token-specific processors {kinds['lower']} (they must act "
+                         "before the draw)")
+        return session
+    if norm:
+        if cfg.mode == "epsilon":
+            session.mode = "epsilon"
+            return session
+        session.set_full(f"normalizing warpers {kinds['norm']} need the whole distribution "
+                         "(CSVConfig(mode='epsilon') allows TV <= epsilon)")
+        return session
+    if cfg.mode == "topk" and top_k is not None:
+        # exact top-K values, stock sampler samples from them: exact top-K sampling
+        session.mode, session.k = "topk", top_k
+        return session
+    session.mode = "sample"
+    return session
+
+
+def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
+    _, head = find_head(model)
+    sess = CSVSession(model=model, config=config, head=get_certified_head(head, config),
+                      out_dtype=model_out_dtype(model, head), softcap=model_softcap(model))
+    sess.assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None
+    gc = kwargs.get("generation_config")
+    if gc is not None and getattr(gc, "prompt_lookup_num_tokens", None) is not None:
+        sess.assisted = True
+    for key in ("logprob_threshold", "no_speech_threshold", "return_token_timestamps", "return_timestamps"):
+        if kwargs.get(key) not in (None, False):
+            sess.force_full = f"Whisper's {key} reads log-probabilities over the full vocabulary"
+    return sess
+
+
+def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
+    """Instance-level ``_get_logits_processor``: stock list, then the mode decision for the session."""
+
+    def _get_logits_processor(*args: Any, **kwargs: Any):
+        procs = orig(*args, **kwargs)
+        sess = active_session(model)
+        if sess is None:
+            return procs
+        gc = kwargs.get("generation_config", args[0] if args else None)
+        # one CSVLogitsProcessor, last (a user's instance is reused, keeping its records)
+        mine = [p for p in procs if isinstance(p, CSVLogitsProcessor)]
+        others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
+        decide_mode(sess, gc, others)
+        verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
+        procs[:] = others + ([verifier] if (sess.verify or mine) else [])
+        sess.processors = procs
+        return procs
+
+    return _get_logits_processor
+
+
+_GLP_LOCK = threading.RLock()
+_GLP: dict[int, list] = {}  # id(model) -> [refcount]
+
+
+def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``."""
+    if isinstance(config, dict):
+        config = CSVConfig(**config)
+    if not isinstance(config, CSVConfig):
+        raise TypeError(f"csv_config must be a CSVConfig or a dict, got {type(config).__name__}")
+    sess = _make_session(model, config, kwargs)
+    key = id(model)
+    with _GLP_LOCK:
+        entry = _GLP.get(key)
+        if entry is None:
+            entry = [0]
+            _GLP[key] = entry
+            orig = type(model)._get_logits_processor.__get__(model)
+            model.__dict__["_get_logits_processor"] = _patched_get_logits_processor(model, orig)
+        entry[0] += 1
+    try:
+        with swapped_head(model, sess):
+            out = call(*args, **kwargs)
+    finally:
+        with _GLP_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                model.__dict__.pop("_get_logits_processor", None)
+                del _GLP[key]
+    summary = sess.summary()
+    if config.stats:
+        try:
+            object.__setattr__(out, "csv_stats", summary) if not isinstance(out, torch.Tensor) else None
+        except (AttributeError, TypeError):
+            pass
+        model.__dict__["csv_last_stats"] = summary
+    return out
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Make ``model.generate(..., csv_config=CSVConfig(...))`` work for this model; returns it.
+
+    Without ``csv_config`` the class's generate runs unchanged. Idempotent; undo with :func:`disable`.
+    """
+    check_transformers_version()
+    find_head(model)  # fail now for unsupported models
+    if getattr(model.__dict__.get("generate"), "_hf_csv", False):
+        return model
+    cls_generate = type(model).generate
+
+    @functools.wraps(cls_generate)
+    def generate(*args: Any, csv_config: Optional[CSVConfig] = None, **kwargs: Any):
+        if csv_config is None:
+            return cls_generate(model, *args, **kwargs)
+        return csv_generate(model, functools.partial(cls_generate, model), csv_config, args, kwargs)
+
+    generate._hf_csv = True
+    model.__dict__["generate"] = generate
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable` (the class's generate is used again)."""
+    if getattr(model.__dict__.get("generate"), "_hf_csv", False):
+        del model.__dict__["generate"]
+    return model
+
+
+_INSTALLED: list = []  # (owner class, original function)
+
+
+def install() -> None:
+    """Global switch: every model's ``generate`` accepts ``csv_config`` (patches ``GenerationMixin.generate``
+    and ``WhisperGenerationMixin.generate``). Calls without ``csv_config`` run the original function."""
+    check_transformers_version()
+    if _INSTALLED:
+        return
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    for owner in (GenerationMixin, WhisperGenerationMixin):
+        orig = owner.__dict__["generate"]
+
+        def make(orig=orig):
+            @functools.wraps(orig)
+            def generate(self, *args: Any, csv_config: Optional[CSVConfig] = None, **kwargs: Any):
+                if csv_config is None:
+                    return orig(self, *args, **kwargs)
+                return csv_generate(self, functools.partial(orig, self), csv_config, args, kwargs)
+
+            generate._hf_csv = True
+            return generate
+
+        _INSTALLED.append((owner, orig))
+        owner.generate = make()
+
+
+def uninstall() -> None:
+    """Restore the functions :func:`install` patched."""
+    while _INSTALLED:
+        owner, orig = _INSTALLED.pop()
+        owner.generate = orig

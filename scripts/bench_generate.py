@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Stock vs certified greedy decoding, interleaved in one process (run under flock).
+
+    flock /tmp/hf_csv_bench.lock python scripts/bench_generate.py \
+        --model ~/.cache/hf-csv-models/qwen-coder-0.5b --json out/bench_qwen.json
+    flock /tmp/hf_csv_bench.lock python scripts/bench_generate.py \
+        --model ~/.cache/hf-csv-models/whisper-base --audio ../shared/models/speech/en_fox.wav --json out/bench_wb.json
+
+Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs interleaved
+pairs), head_fraction f (time inside the stock head / whole generate, measured with hooks in a
+separate stock run), limit = 1/(1-f), gain_fraction = (speedup-1)/(limit-1), identical_tokens,
+certified_fraction, mean_subvocab_fraction, head_ms_stock / head_ms_csv (per head call); and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import hf_csv
+from hf_csv.head import CSVHead
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE.parents[1] / "shared" / "models" / "prompts.jsonl"
+
+
+def load(model_dir: str, audio: str | None):
+    if audio:
+        from scipy.io import wavfile
+        from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+
+        proc = AutoProcessor.from_pretrained(model_dir)
+        model = AutoModelForSpeechSeq2Seq.from_pretrained(model_dir, dtype=torch.float32).eval()
+        sr, a = wavfile.read(audio)
+        a = a.astype("float32") / (32768.0 if a.dtype.kind == "i" else 1.0)
+        feats = proc(a, sampling_rate=sr, return_tensors="pt").input_features
+        # the encoder runs once, outside the timing: tokens/s and f are about the decoder loop
+        with torch.no_grad():
+            enc = model.get_encoder()(feats)
+        extra = {"language": "en", "task": "transcribe"} if getattr(model.generation_config, "is_multilingual", False) else {}
+        return model, {"encoder_outputs": enc}, extra
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = json.loads(PROMPTS.read_text().splitlines()[0])["prompt"] if PROMPTS.exists() else "Hello"
+    inputs = dict(tok(prompt, return_tensors="pt"))
+    # a fixed new-token count without an extra processor: no EOS stop
+    model.generation_config.eos_token_id = None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return model, inputs, {"pad_token_id": pad}
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
+    """(seconds inside ``module``'s forward, calls, total seconds) for one ``fn()``."""
+    acc = {"t": 0.0, "n": 0, "t0": 0.0}
+
+    def pre(m, a):
+        acc["t0"] = time.perf_counter()
+
+    def post(m, a, o):
+        acc["t"] += time.perf_counter() - acc["t0"]
+        acc["n"] += 1
+
+    h1, h2 = module.register_forward_pre_hook(pre), module.register_forward_hook(post)
+    try:
+        _, total = timed(fn)
+    finally:
+        h1.remove(), h2.remove()
+    return acc["t"], acc["n"], total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--audio")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, inputs, extra = load(args.model, args.audio)
+    hf_csv.enable(model)
+    cfg = hf_csv.CSVConfig()
+    gen = dict(inputs, max_new_tokens=args.new_tokens, do_sample=False, num_beams=1, **extra)
+    n_in = inputs["input_ids"].shape[1] if "input_ids" in inputs else 1  # Whisper: count tokens after the start token
+
+    def stock():
+        with torch.no_grad():
+            return model.generate(**gen)
+
+    def csv():
+        with torch.no_grad():
+            return model.generate(**gen, csv_config=cfg)
+
+    ref, _ = timed(stock)  # warm-up, and builds nothing
+    out, t_build = timed(csv)  # warm-up: builds the int8 screen once (cached per model)
+    identical = torch.equal(ref, out)
+    new = ref.shape[1] - n_in
+    t_stock, t_csv = [], []
+    for _ in range(args.runs):  # interleaved pairs: drift hits both alike
+        a, ta = timed(stock)
+        b, tb = timed(csv)
+        identical &= torch.equal(a, ref) and torch.equal(b, ref)
+        t_stock.append(ta), t_csv.append(tb)
+    stats = model.csv_last_stats
+    # head fraction: hooks on the stock head in a separate stock run; csv head time likewise
+    name, head = hf_csv.head.find_head(model)
+    hs, ns, tot = head_time(head, stock)
+    orig_fwd = CSVHead.forward
+    acc = {"t": 0.0, "n": 0}
+
+    def timed_fwd(self, h):
+        t = time.perf_counter()
+        o = orig_fwd(self, h)
+        acc["t"] += time.perf_counter() - t
+        acc["n"] += 1
+        return o
+
+    CSVHead.forward = timed_fwd
+    try:
+        _, tot_csv = timed(csv)
+    finally:
+        CSVHead.forward = orig_fwd
+    f = hs / tot
+    limit = 1 / (1 - f)
+    ms, mc = statistics.median(t_stock), statistics.median(t_csv)
+    speedup = ms / mc
+    res = {
+        "model": os.path.basename(os.path.normpath(args.model)),
+        "audio": os.path.basename(args.audio) if args.audio else None,
+        "new_tokens": int(new), "runs": args.runs, "threads": args.threads,
+        "tokens_per_s_stock": new / ms, "tokens_per_s_csv": new / mc, "speedup": speedup,
+        "head_fraction": f, "limit": limit, "gain_fraction": (speedup - 1) / (limit - 1) if limit > 1 else float("nan"),
+        "identical_tokens": bool(identical),
+        "certified_fraction": stats.get("certified_fraction"), "mean_subvocab_fraction": stats.get("mean_subvocab_fraction"),
+        "near_ties": stats.get("near_ties"), "mode": stats.get("mode"), "verify_reruns": stats.get("verify_reruns"),
+        "head_ms_stock": 1e3 * hs / max(ns, 1), "head_ms_csv": 1e3 * acc["t"] / max(acc["n"], 1),
+        "step_ms_stock": 1e3 * ms / max(new, 1), "step_ms_csv": 1e3 * mc / max(new, 1),
+        "first_csv_call_s": t_build, "times_stock_s": t_stock, "times_csv_s": t_csv,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(8, 3))
+        ax[0].bar(["stock", "csv"], [res["tokens_per_s_stock"], res["tokens_per_s_csv"]], color=["gray", "tab:blue"])
+        ax[0].set_ylabel("tokens/s (greedy, fp32)")
+        ax[1].bar(["speedup", "limit 1/(1-f)"], [speedup, limit], color=["tab:blue", "lightgray"])
+        ax[1].axhline(1, color="k", lw=0.5)
+        fig.suptitle(f"{res['model']}: gain fraction {res['gain_fraction']:.2f}")
+        fig.tight_layout()
+        fig.savefig(str(Path(args.json).with_suffix(".png")), dpi=100)
+    except Exception as e:  # plotting is optional
+        print("no plot:", e)
+
+
+if __name__ == "__main__":
+    main()
