@@ -171,6 +171,7 @@ class CertifiedHead:
         stats.subvocab_sum += int(sizes.sum())
         stats.subvocab_sizes.extend(sizes.tolist())
         stats.vocab_size = V
+        self._last_sparse = (vals, bool(special.any()))  # for the near-tie count without a V-wide pass
         return logits
 
     def _run_nonfinite(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
@@ -232,7 +233,11 @@ class CertifiedHead:
         S = U >= tau[:, None]
         logits = self._candidates_to_dense(S, H, out_dtype, stats, U)
         if k == 1:
-            top2 = logits.float().topk(min(2, self.vocab_size), dim=1).values
+            vals, special = self._last_sparse
+            if N == 1 and not special and vals.numel() >= 2:
+                top2 = vals.float().topk(2).values[None]  # equals the dense top-2 (-inf outside S)
+            else:
+                top2 = logits.float().topk(min(2, self.vocab_size), dim=1).values
             if top2.shape[1] == 2:
                 gap = top2[:, 0] - top2[:, 1]
                 # a stock head that rounds to out_dtype could order these two differently
