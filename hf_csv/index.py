@@ -234,7 +234,8 @@ class VocabIndex:
     def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> Path:
         """Write ``csv_index_config.json`` and ``csv_index.safetensors`` (with its sha256).
 
-        Extra kwargs are forwarded to :func:`hf_csv.hub.write_model_card` when that module is present.
+        Also writes a README.md model card; extra kwargs (``base_model``, ``measured``) go to
+        :func:`hf_csv.hub.write_model_card`.
         """
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -245,13 +246,16 @@ class VocabIndex:
         os.replace(tmp, tpath)
         self.config.tensors_sha256 = _file_sha256(tpath)
         (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2, sort_keys=True) + "\n")
-        try:
-            from . import hub
-            if hasattr(hub, "write_model_card"):
-                hub.write_model_card(self, out, **kwargs)
-        except ImportError:
-            pass
+        from .hub import write_model_card
+
+        write_model_card(self, out, **kwargs)
         return out
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
+        """Upload this index (config, safetensors, model card) to the Hub; see :func:`hf_csv.hub.push_to_hub`."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained: Union[str, os.PathLike], revision: Optional[str] = None,

@@ -1,0 +1,111 @@
+"""Hub round trips through huggingface_hub's real code paths, against a local HTTP double
+(tests/hub_double.py documents exactly which endpoints it emulates)."""
+import os
+
+import pytest
+import torch
+
+from hf_csv.errors import FingerprintMismatchError, IndexFormatError
+from hf_csv.hub import download_index
+from hf_csv.index import VocabIndex
+from hub_double import HubDouble
+
+
+def _index(seed=0, V=400, d=12):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, d, generator=g)
+    return W, VocabIndex.build(W, num_clusters=8, niter=2, progress=False, base_model="org/base")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with HubDouble() as h:
+        yield h
+
+
+def _load(repo, hub, tmp_path, **kw):
+    return VocabIndex.from_pretrained(repo, endpoint=hub.endpoint, cache_dir=tmp_path / "cache", **kw)
+
+
+def test_push_pull_roundtrip_with_model_card(hub, tmp_path):
+    W, ix = _index()
+    info = ix.push_to_hub("org/idx", endpoint=hub.endpoint, token="test")
+    assert "commit" in str(info)
+    ix2 = _load("org/idx", hub, tmp_path)
+    assert ix2.config.fingerprint == ix.config.fingerprint
+    for k, v in ix.tensors.items():
+        assert torch.equal(v, ix2.tensors[k])
+    ix2.check_head(W)
+    card = (os.path.join(download_index("org/idx", endpoint=hub.endpoint, cache_dir=tmp_path / "cache"), "README.md"))
+    text = open(card).read()
+    assert text.startswith("---\nlibrary_name: hf_csv") and "base_model: org/base" in text
+    assert ix.config.fingerprint in text and "num_clusters" in text
+    assert ("POST", "/api/models/org/idx/commit/main") in hub.state.requests
+
+
+def test_revision_pinning(hub, tmp_path):
+    _, a = _index(0)
+    _, b = _index(1)
+    sha_a = a.push_to_hub("org/idx", endpoint=hub.endpoint, token="t").oid
+    b.push_to_hub("org/idx", endpoint=hub.endpoint, token="t")
+    assert _load("org/idx", hub, tmp_path).config.fingerprint == b.config.fingerprint  # main = newest
+    assert _load("org/idx", hub, tmp_path, revision=sha_a).config.fingerprint == a.config.fingerprint
+    b.push_to_hub("org/idx", endpoint=hub.endpoint, token="t", revision="v2")
+    assert _load("org/idx", hub, tmp_path, revision="v2").config.fingerprint == b.config.fingerprint
+
+
+def test_offline_mode_uses_the_cache(hub, tmp_path, monkeypatch):
+    _, ix = _index()
+    ix.push_to_hub("org/idx", endpoint=hub.endpoint, token="t")
+    _load("org/idx", hub, tmp_path)
+    hub.__exit__()  # the Hub is gone
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ix2 = VocabIndex.from_pretrained("org/idx", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
+    assert ix2.config.fingerprint == ix.config.fingerprint
+    with pytest.raises(Exception):  # never downloaded: offline must not pretend
+        VocabIndex.from_pretrained("org/other", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
+
+
+def test_fingerprint_mismatch_names_both(hub, tmp_path):
+    from hf_csv.bounds import ClusterProvider
+
+    _, ix = _index()
+    ix.push_to_hub("org/idx", endpoint=hub.endpoint, token="t")
+    other = torch.randn(400, 12)
+    with pytest.raises(FingerprintMismatchError) as e:
+        ClusterProvider(_load("org/idx", hub, tmp_path), other)
+    from hf_csv.index import head_fingerprint
+    assert ix.config.fingerprint in str(e.value) and head_fingerprint(other) in str(e.value)
+
+
+def test_corrupt_and_missing_files_on_the_hub(hub, tmp_path):
+    _, ix = _index()
+    ix.push_to_hub("org/idx", endpoint=hub.endpoint, token="t")
+    repo = hub.state.repos["org/idx"]
+    files = repo["commits"][repo["branches"]["main"]]
+    files["csv_index.safetensors"] = files["csv_index.safetensors"][:-100]  # truncated upload
+    with pytest.raises(IndexFormatError, match="corrupt or truncated"):
+        _load("org/idx", hub, tmp_path)
+    del files["csv_index_config.json"]
+    with pytest.raises(IndexFormatError):
+        _load("org/idx", hub, tmp_path, revision=repo["branches"]["main"])
+    with pytest.raises(Exception, match="not found|Not Found|404"):
+        _load("org/does-not-exist", hub, tmp_path)
+
+
+@pytest.mark.skipif(not os.environ.get("HF_TOKEN") or os.environ.get("HF_HUB_OFFLINE") == "1",
+                    reason="live Hub test: needs HF_TOKEN and network (neither is available on this machine)")
+def test_live_hub_roundtrip():
+    import uuid
+
+    from huggingface_hub import HfApi
+
+    _, ix = _index()
+    repo = f"{HfApi().whoami()['name']}/hf-csv-test-{uuid.uuid4().hex[:8]}"
+    try:
+        ix.push_to_hub(repo, private=True)
+        assert VocabIndex.from_pretrained(repo).config.fingerprint == ix.config.fingerprint
+    finally:
+        HfApi().delete_repo(repo)
