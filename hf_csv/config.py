@@ -16,6 +16,7 @@ __all__ = ["CSVConfig", "MODES", "PROVIDERS"]
 
 MODES = ("auto", "topk", "sample", "epsilon")
 PROVIDERS = ("screen", "cluster")
+SPECULATIVE = ("exact", "stock", "sigmoid")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class CSVConfig:
         stats: collect per-call certification statistics (``output.csv_stats`` /
             ``model.csv_last_stats``).
         num_outliers: exact fp32 columns of h in the screen ("massive activations").
+        speculative: verify step of assisted sampling (``assistant_model=``): ``"exact"`` (default,
+            hf_csv's exact and faster replacement of transformers' ``_speculative_sampling``),
+            ``"stock"``, or ``"sigmoid"`` — the seed paper's approximation, **lossy** (it accepts
+            nearly every draft token; measured quality in docs/speculative.md); it warns.
     """
 
     mode: str = "auto"
@@ -53,6 +58,7 @@ class CSVConfig:
     revision: Optional[str] = None
     stats: bool = True
     num_outliers: int = 16
+    speculative: str = "exact"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +88,8 @@ class CSVConfig:
             raise ValueError(f"CSVConfig.revision must be a string or None, got {self.revision!r}")
         if not isinstance(self.stats, bool):
             raise ValueError(f"CSVConfig.stats must be a bool, got {self.stats!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"CSVConfig.speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
 

@@ -20,6 +20,7 @@ certificate (:func:`decide_mode`) and appends a :class:`CSVLogitsProcessor` when
 from __future__ import annotations
 
 import functools
+import contextlib
 import threading
 from typing import Any, Callable, Optional
 
@@ -223,6 +224,15 @@ _GLP_LOCK = threading.RLock()
 _GLP: dict[int, list] = {}  # id(model) -> [refcount]
 
 
+def _verify_patch(sess: CSVSession, config: CSVConfig):
+    """Assisted calls get hf_csv's speculative verify (``config.speculative``); others nothing."""
+    if not getattr(sess, "assisted", False) or config.speculative == "stock":
+        return contextlib.nullcontext()
+    from .verify import patch_speculative_sampling
+
+    return patch_speculative_sampling(mode=config.speculative)
+
+
 def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``."""
     if isinstance(config, dict):
@@ -240,7 +250,7 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
             model.__dict__["_get_logits_processor"] = _patched_get_logits_processor(model, orig)
         entry[0] += 1
     try:
-        with swapped_head(model, sess):
+        with swapped_head(model, sess), _verify_patch(sess, config):
             out = call(*args, **kwargs)
     finally:
         with _GLP_LOCK:
