@@ -143,12 +143,20 @@ class CertifiedHead:
     def _candidates_to_dense(self, S: torch.Tensor, H: torch.Tensor, out_dtype: torch.dtype,
                              stats: CertStats, U: torch.Tensor) -> torch.Tensor:
         N, V = S.shape
-        counts = S.sum(1)
+        if N <= 8:  # decode: one pass over S; counts from the (small) candidate list
+            r, t = S.nonzero(as_tuple=True)
+            counts = torch.bincount(r, minlength=N)
+        else:
+            counts = S.sum(1)
         over = counts > self.budget
         big = (counts > self._dense_cutoff) & ~over
         special = over | big
-        sparse = S & ~special[:, None] if bool(special.any()) else S
-        r, t = sparse.nonzero(as_tuple=True)
+        if N <= 8:
+            if bool(special.any()):
+                keep = ~special[r]
+                r, t = r[keep], t[keep]
+        else:
+            r, t = (S & ~special[:, None] if bool(special.any()) else S).nonzero(as_tuple=True)
         vals, _ = self.exact(t, r, H)
         logits = torch.full((N, V), float("-inf"), dtype=out_dtype, device=H.device)
         logits[r, t] = vals.to(out_dtype)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from . import cluster, gather, screen
+from . import cluster, gather, residual, screen
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ _REGISTRY: dict[str, dict[str, Callable]] = {
     "gather_gemv": {"reference": gather.gather_gemv_reference},
     "cluster_upper": {"reference": cluster.cluster_upper_reference},
     "segmented_gemv": {"reference": cluster.segmented_gemv_reference},
+    "row_logsumexp": {"reference": residual.row_logsumexp_reference},
+    "residual_race": {"reference": residual.residual_race_reference},
 }
 _triton_loaded = False
 

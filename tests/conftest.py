@@ -1,6 +1,9 @@
 import os
 import pathlib
 
+# Triton kernels run in the interpreter on CPU (set before anything imports triton)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
