@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from .dispatch import backend_for, get_op
+
 __all__ = [
     "VerifyResult",
     "DraftProbabilityError",
@@ -167,7 +169,7 @@ def _row_exp(z: torch.Tensor) -> tuple[torch.Tensor, float, float]:
 
 
 def _finite_lse(rows: torch.Tensor) -> torch.Tensor:
-    lse = torch.logsumexp(rows.float(), dim=-1)
+    lse = get_op("row_logsumexp", rows.device)(rows)  # Triton streaming kernel on CUDA
     if not bool(torch.isfinite(lse).all()):
         raise DraftProbabilityError("a row of logits cannot be normalized (all -inf, +inf or NaN)")
     return lse
@@ -218,6 +220,7 @@ def exact_verify(
     if lazy is None:
         lazy = dev.type == "cpu"
 
+    fused = False
     if lazy:
         n = L
         for j in range(L):
@@ -241,12 +244,20 @@ def exact_verify(
         n = int(rejected.cumsum(0).eq(0).sum())  # accepted prefix length (one sync)
 
         if n < L:
-            # residual max(0, p - q) at the rejected row, in place on one V-sized buffer
-            w = (target_logits[n].float() - lse_p[n]).exp_()
-            w.sub_((draft_logits[n].float() - lse_q[n]).exp_()).clamp_min_(0.0)
+            if backend_for(dev) == "triton":
+                # fused residual + exponential race: one pass, no V-sized residual buffer
+                E = _exp1(target_logits[n], generator)
+                tok, ok = get_op("residual_race", dev)(target_logits[n], draft_logits[n], float(lse_p[n]),
+                                                       float(lse_q[n]), E)
+                fused = True
+            else:
+                # residual max(0, p - q) at the rejected row, in place on one V-sized buffer
+                w = (target_logits[n].float() - lse_p[n]).exp_()
+                w.sub_((draft_logits[n].float() - lse_q[n]).exp_()).clamp_min_(0.0)
 
     if n < L:
-        tok, ok = _race(w, generator)
+        if not fused:
+            tok, ok = _race(w, generator)
         if not ok:
             # p == q to float precision at this row, so the residual vanished numerically. The
             # rejection itself had probability ~0; the limiting distribution is p (stock would hit

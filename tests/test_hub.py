@@ -19,7 +19,12 @@ def _index(seed=0, V=400, d=12):
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    # CI exports HF_HUB_OFFLINE=1 (nothing may reach the real Hub); huggingface_hub reads it at import,
+    # so lift it for the loopback double only
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     with HubDouble() as h:
         yield h
