@@ -78,6 +78,7 @@ class CertResult:
     stats: CertStats
     tokens: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None  # bool [N, V]: the certified sub-vocabulary (all True on fallback)
+    est: Optional[torch.Tensor] = None  # [N, V] the provider's estimate (top-k only; not a bound)
 
 
 class CertifiedHead:
@@ -251,7 +252,7 @@ class CertifiedHead:
                 # a stock head that rounds to out_dtype could order these two differently
                 tol = top2[:, 0].abs() * (torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 4 * self._gam)
                 stats.near_ties += int((gap <= tol).sum())
-        return CertResult(logits=logits, stats=stats, mask=S)
+        return CertResult(logits=logits, stats=stats, mask=S, est=est)
 
     # ------------------------------------------------------ ε-softmax
     @torch.no_grad()

@@ -17,6 +17,8 @@ __all__ = ["CSVConfig", "MODES", "PROVIDERS"]
 MODES = ("auto", "topk", "sample", "epsilon")
 PROVIDERS = ("screen", "cluster")
 SPECULATIVE = ("exact", "stock", "sigmoid")
+DRAFT_HEADS = ("subvocab", "full")
+VOCAB_PARALLEL = ("contiguous", "round_robin", "size_balanced")  # = hf_csv.distributed.STRATEGIES
 
 
 @dataclass
@@ -47,6 +49,16 @@ class CSVConfig:
             hf_csv's exact and faster replacement of transformers' ``_speculative_sampling``),
             ``"stock"``, or ``"sigmoid"`` — the seed paper's approximation, **lossy** (it accepts
             nearly every draft token; measured quality in docs/speculative.md); it warns.
+        draft_head: head of the *assistant* model in assisted generation: ``"subvocab"`` (default;
+            greedy drafts use the certified top-1, so the drafted tokens are the stock draft's;
+            sampled drafts sample from the exact logits on a certified top-``draft_top_k`` set and
+            return exactly those logits, which keeps speculative sampling lossless) or ``"full"``.
+        draft_top_k: size of the certified top-k set sampled drafts draw from (``>= 1``).
+        vocab_parallel: shard the certified head's vocabulary over the ranks of ``torch.distributed``
+            (``"contiguous"``, ``"round_robin"`` or ``"size_balanced"``; cluster-aware with ``index``);
+            ranks agree on the certified top-k with O(k) collectives (docs/distributed.md). A head
+            that a tensor-parallel plan already sharded by vocabulary is used as sharded, whatever
+            this field says. ``None``: every rank runs the whole certified head.
     """
 
     mode: str = "auto"
@@ -59,6 +71,9 @@ class CSVConfig:
     stats: bool = True
     num_outliers: int = 16
     speculative: str = "exact"
+    draft_head: str = "subvocab"
+    draft_top_k: int = 64
+    vocab_parallel: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,13 +105,20 @@ class CSVConfig:
             raise ValueError(f"CSVConfig.stats must be a bool, got {self.stats!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"CSVConfig.speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if self.draft_head not in DRAFT_HEADS:
+            raise ValueError(f"CSVConfig.draft_head must be one of {DRAFT_HEADS}, got {self.draft_head!r}")
+        if isinstance(self.draft_top_k, bool) or not isinstance(self.draft_top_k, int) or self.draft_top_k < 1:
+            raise ValueError(f"CSVConfig.draft_top_k must be an int >= 1, got {self.draft_top_k!r}")
+        if self.vocab_parallel is not None and self.vocab_parallel not in VOCAB_PARALLEL:
+            raise ValueError(f"CSVConfig.vocab_parallel must be one of {VOCAB_PARALLEL} or None, "
+                             f"got {self.vocab_parallel!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
 
     def head_key(self) -> tuple:
         """What determines the cached :class:`CertifiedHead` (the int8 screen is built once per key)."""
         idx = self.index if isinstance(self.index, (str, os.PathLike, type(None))) else id(self.index)
-        return (self.provider, self.budget, str(idx), self.revision, self.num_outliers)
+        return (self.provider, self.budget, str(idx), self.revision, self.num_outliers, self.vocab_parallel)
 
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name) if f.name != "index" or self.index is None

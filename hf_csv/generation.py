@@ -141,6 +141,11 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     if session.softcap and (do_sample or num_beams > 1):
         session.set_full("final_logit_softcapping maps -inf to -cap; only greedy is certified")
         return session
+    if session.draft:
+        return _decide_draft(session, gc, kinds, do_sample, top_k)
+    if session.assisted and getattr(gc, "assistant_ensemble_weight", None) is not None:
+        session.set_full("assistant_ensemble_weight mixes the target's softmax over the full vocabulary")
+        return session
     if getattr(session, "assisted", False) and do_sample:
         session.set_full("assisted sampling (speculative sampling) needs the full target distribution")
         return session
@@ -185,14 +190,45 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     return session
 
 
+def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int]) -> CSVSession:
+    """The assistant's head inside assisted generation (hf_csv.candidate).
+
+    Greedy drafts: certified top-1, so the drafted tokens are the stock draft's (plus the tail
+    fill for the confidence stop). Sampled drafts: exact logits on a certified top-k set, -inf
+    elsewhere; the draft samples from exactly the logits it returns as candidate logits, which is
+    all speculative sampling needs to stay lossless (the target's verification is exact).
+    """
+    cfg = session.config
+    lower = "lower" in kinds
+    if not do_sample:
+        session.mode, session.k, session.verify = "topk", 1, lower
+        thr = getattr(gc, "assistant_confidence_threshold", None)
+        session.fill_tail = bool(thr) and not lower and not session.softcap
+        return session
+    # token-specific processors (min-length, bad words, ...) may lower tokens of S: the draft then
+    # samples from what they leave, which is still what it returns; CSVLogitsProcessor only
+    # re-runs a row with the full head if they leave nothing finite in it.
+    k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
+    session.mode, session.k, session.verify = "topk", k, lower
+    return session
+
+
 def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
     _, head = find_head(model)
-    sess = CSVSession(model=model, config=config, head=get_certified_head(head, config),
+    offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
+    sess = CSVSession(model=model, config=config, head=None if offloaded else get_certified_head(head, config),
                       out_dtype=model_out_dtype(model, head), softcap=model_softcap(model))
+    if offloaded:
+        sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
+                           "loaded only inside accelerate's hook")
     sess.assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None
     gc = kwargs.get("generation_config")
     if gc is not None and getattr(gc, "prompt_lookup_num_tokens", None) is not None:
         sess.assisted = True
+    if sess.assisted:
+        from .candidate import user_assistant_settings
+
+        sess.extra["_user_assistant_settings"] = user_assistant_settings(kwargs)
     for key in ("logprob_threshold", "no_speech_threshold", "return_token_timestamps", "return_timestamps"):
         if kwargs.get(key) not in (None, False):
             sess.force_full = f"Whisper's {key} reads log-probabilities over the full vocabulary"
@@ -209,9 +245,14 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
             return procs
         gc = kwargs.get("generation_config", args[0] if args else None)
         # one CSVLogitsProcessor, last (a user's instance is reused, keeping its records)
-        mine = [p for p in procs if isinstance(p, CSVLogitsProcessor)]
+        # an assistant's generate receives the target's processors, whose CSVLogitsProcessor is bound
+        # to the target's session: a draft session never takes it over, it gets its own
+        mine = [] if sess.draft else [p for p in procs if isinstance(p, CSVLogitsProcessor)]
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
         decide_mode(sess, gc, others)
+        modes = getattr(sess.head, "modes", None)
+        if modes is not None and sess.mode != "full" and sess.mode not in modes:
+            sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
         procs[:] = others + ([verifier] if (sess.verify or mine) else [])
         sess.processors = procs
@@ -233,13 +274,11 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
     return patch_speculative_sampling(mode=config.speculative)
 
 
-def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``."""
-    if isinstance(config, dict):
-        config = CSVConfig(**config)
-    if not isinstance(config, CSVConfig):
-        raise TypeError(f"csv_config must be a CSVConfig or a dict, got {type(config).__name__}")
-    sess = _make_session(model, config, kwargs)
+@contextlib.contextmanager
+def certified(model: nn.Module, sess: CSVSession):
+    """Make ``sess`` active for ``model`` in this context: the instance-level
+    ``_get_logits_processor`` (mode decision) and the head swap. Both are restored on exit,
+    also on exceptions; concurrent activations on one model are reference-counted."""
     key = id(model)
     with _GLP_LOCK:
         entry = _GLP.get(key)
@@ -249,15 +288,63 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
             orig = type(model)._get_logits_processor.__get__(model)
             model.__dict__["_get_logits_processor"] = _patched_get_logits_processor(model, orig)
         entry[0] += 1
+    hook = model.register_forward_pre_hook(_track_length(sess), with_kwargs=True)
     try:
-        with swapped_head(model, sess), _verify_patch(sess, config):
-            out = call(*args, **kwargs)
+        with swapped_head(model, sess):
+            yield sess
     finally:
+        hook.remove()
         with _GLP_LOCK:
             entry[0] -= 1
             if entry[0] == 0:
                 model.__dict__.pop("_get_logits_processor", None)
                 del _GLP[key]
+
+
+def _track_length(sess: CSVSession) -> Callable:
+    """Forward pre-hook: how many tokens the model has consumed once this forward is done (cache + new).
+
+    The head call then knows the token index of each of its positions (StepStash.position), which
+    CSVLogitsProcessor needs when one call produces several positions (assisted verification).
+    """
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict):
+        ids = kwargs.get("decoder_input_ids")
+        if ids is None:
+            ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+        if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
+            sess.fed_total = None
+            return None
+        pkv = kwargs.get("past_key_values")
+        try:
+            past = int(pkv.get_seq_length()) if pkv is not None else 0
+        except (AttributeError, TypeError):
+            sess.fed_total = None
+            return None
+        sess.fed_total = past + int(ids.shape[-1])
+        return None
+
+    return pre
+
+
+def _assist_patch(model: nn.Module, sess: CSVSession, config: CSVConfig):
+    """Assisted calls with an assistant model get the sub-vocabulary draft head (hf_csv.candidate)."""
+    if not getattr(sess, "assisted", False):
+        return contextlib.nullcontext()
+    from .candidate import patched_candidate_generator
+
+    return patched_candidate_generator(model, sess, config)
+
+
+def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``."""
+    if isinstance(config, dict):
+        config = CSVConfig(**config)
+    if not isinstance(config, CSVConfig):
+        raise TypeError(f"csv_config must be a CSVConfig or a dict, got {type(config).__name__}")
+    sess = _make_session(model, config, kwargs)
+    with certified(model, sess), _verify_patch(sess, config), _assist_patch(model, sess, config):
+        out = call(*args, **kwargs)
     summary = sess.summary()
     if config.stats:
         try:

@@ -45,11 +45,31 @@ _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary
 
 @dataclass
 class StepStash:
-    """What the last head call saw at the positions whose logits generate uses (last position)."""
+    """What the last head call saw, for :class:`~hf_csv.processors.CSVLogitsProcessor`.
 
-    H: torch.Tensor  # [B, d] hidden states (a view, not a copy)
-    logits: torch.Tensor  # [B, V] the dense certified logits returned (model dtype, before softcap)
-    mask: Optional[torch.Tensor]  # [B, V] bool: certified S (all True on fallback rows)
+    All P positions of the call are kept: assisted decoding verifies L+1 positions from one head
+    call and runs the processors once per position. ``fed_total`` is the sequence length the model
+    had consumed after this call (cache + new tokens); position p of the call predicts the token
+    at index ``fed_total - (P - 1 - p)``, which is how the processor finds its row.
+    """
+
+    H: torch.Tensor  # [B, P, d] hidden states (views, not copies)
+    logits: torch.Tensor  # [B, P, V] the dense certified logits returned (model dtype, before softcap)
+    mask: Optional[torch.Tensor]  # [B, P, V] bool: certified S (all True on fallback rows)
+    fed_total: Optional[int] = None
+
+    def position(self, input_len: int) -> int:
+        """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
+        P = self.logits.shape[1]
+        if P == 1:
+            return 0
+        if self.fed_total is None:
+            raise CSVError("hf_csv: cannot tell which of several positions is being processed")
+        p = P - 1 - (self.fed_total - input_len)
+        if not 0 <= p < P:
+            raise CSVError(f"hf_csv: processor input length {input_len} does not match the head call "
+                           f"({P} positions ending at {self.fed_total})")
+        return p
 
 
 @dataclass
@@ -58,7 +78,7 @@ class CSVSession:
 
     model: nn.Module
     config: CSVConfig
-    head: CertifiedHead
+    head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     softcap: Optional[float] = None
     mode: str = "full"  # full | topk | beam | sample | epsilon (set by generation.decide_mode)
@@ -74,6 +94,11 @@ class CSVSession:
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
     last: Optional[StepStash] = None
+    assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
+    draft: bool = False  # this is the assistant model's session inside a candidate generator
+    fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
+    fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
+    extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
 
     def set_full(self, reason: str) -> None:
         """Use the full head for the rest of this decoding call, and say why (transformers logging)."""
@@ -87,6 +112,7 @@ class CSVSession:
         d = self.stats.as_dict() if self.stats.rows else {"rows": 0}
         d.update(mode=self.mode, reasons=list(self.reasons), head_calls=self.head_calls,
                  full_head_calls=self.full_calls, verify_reruns=self.verify_reruns)
+        d.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
         return d
 
 
@@ -118,24 +144,70 @@ def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
     raise CSVError(f"{type(model).__name__} has no lm_head/proj_out output head that hf_csv supports")
 
 
-def get_certified_head(head: nn.Linear, config: CSVConfig) -> CertifiedHead:
-    """The cached :class:`CertifiedHead` for this head module and config (built once)."""
+def _weight_key(w: torch.Tensor) -> tuple:
+    local = w.to_local() if hasattr(w, "to_local") else w  # DTensor (tensor parallel): its local shard
+    return (local.data_ptr(), tuple(w.shape))
+
+
+def get_certified_head(head: nn.Linear, config: CSVConfig):
+    """The cached certified head for this head module and config (built once): a
+    :class:`CertifiedHead`, or a :class:`hf_csv.distributed.VocabParallelHead` when the head is
+    sharded by vocabulary (tensor parallel) or ``config.vocab_parallel`` is set."""
     key = config.head_key()
     with _LOCK:
         per = _HEADS.setdefault(head, {})
         ch = per.get(key)
         # the cache is keyed on the module; a changed weight tensor (e.g. reloaded) invalidates it
-        if ch is None or ch.weight.data_ptr() != head.weight.data_ptr() or ch.weight.shape != head.weight.shape:
+        if ch is None or getattr(ch, "_src_key", None) != _weight_key(head.weight):
             index = config.index
             if isinstance(index, str) and config.revision is not None:
                 from .index import VocabIndex
 
                 index = VocabIndex.from_pretrained(index, revision=config.revision)
-            ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
-                               budget=config.budget, **({"num_outliers": config.num_outliers}
-                                                        if config.provider == "screen" else {}))
+            from .distributed import local_shard_of
+
+            if config.vocab_parallel is not None or local_shard_of(head.weight) is not None:
+                ch = _vocab_parallel_head(head, config, index)
+            else:
+                ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
+                                   budget=config.budget, **({"num_outliers": config.num_outliers}
+                                                            if config.provider == "screen" else {}))
+            ch._src_key = _weight_key(head.weight)
             per[key] = ch
     return ch
+
+
+def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
+    import torch.distributed as dist
+
+    from .distributed import VocabParallelHead, local_shard_of, shard_tokens
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CSVError("CSVConfig(vocab_parallel=...) needs an initialized torch.distributed process group "
+                       "(torchrun, or torch.distributed.init_process_group)")
+    V = head.weight.shape[0]
+    sh = local_shard_of(head.weight)
+    bias = head.bias
+    if sh is not None:  # transformers' tensor-parallel plan sharded lm_head by rows: use it as is
+        rows, start = sh
+        ids = torch.arange(start, start + rows.shape[0], device=rows.device)
+        if bias is not None:
+            bias = bias.to_local() if hasattr(bias, "to_local") else bias[ids]
+    else:
+        if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
+            from .index import VocabIndex
+
+            index = VocabIndex.from_pretrained(index)
+        ids = shard_tokens(V, dist.get_world_size(), config.vocab_parallel, index)[dist.get_rank()]
+        ids = ids.to(head.weight.device)
+        contiguous = ids.numel() == 0 or int(ids[-1] - ids[0]) + 1 == ids.numel()
+        rows = head.weight.detach()[int(ids[0]):int(ids[-1]) + 1] if contiguous and ids.numel() else \
+            head.weight.detach().index_select(0, ids)
+        if bias is not None:
+            bias = bias.detach()[ids]
+    if config.provider != "screen":
+        _tlog().info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
+    return VocabParallelHead(rows, ids, V, bias_rows=bias, budget=config.budget, num_outliers=config.num_outliers)
 
 
 class CSVHead(nn.Module):
@@ -161,16 +233,25 @@ class CSVHead(nn.Module):
         if sess is None:
             return self.inner(hidden)
         sess.head_calls += 1
-        if sess.mode == "full" or hidden.numel() == 0:
+        if sess.mode == "full" or hidden.numel() == 0 or (
+                sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
+            # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
+            # the processor could not find its row, so this call uses the full head)
             sess.full_calls += 1
+            if sess.verify:
+                sess.last = None
             return self.inner(hidden)
         lead, d = hidden.shape[:-1], hidden.shape[-1]
         H = hidden.reshape(-1, d)
         ch = sess.head
+        if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
+            H = H.to(ch.weight.device)
         mode = sess.mode
         if mode == "topk":
             res = ch.topk(H, sess.k, out_dtype=sess.out_dtype)
             out = res.logits
+            if sess.fill_tail and res.est is not None:
+                out = _fill_tail(out, res.est, res.mask)
         elif mode in ("beam", "epsilon"):
             eps = sess.config.beam_epsilon if mode == "beam" else sess.config.epsilon
             res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
@@ -184,14 +265,33 @@ class CSVHead(nn.Module):
             sess.stats.merge(res.stats)
         out = out.view(*lead, out.shape[-1])
         if sess.verify:
-            # the positions generate reads: the last one of each sequence
-            if hidden.dim() == 3:
-                L = hidden.shape[1]
-                last = torch.arange(L - 1, H.shape[0], L, device=H.device)
-                sess.last = StepStash(H=H[last], logits=out[:, -1], mask=res.mask[last])
-            else:
-                sess.last = StepStash(H=H, logits=out.reshape(-1, out.shape[-1]), mask=res.mask)
+            B, P = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (H.shape[0], 1)
+            V = out.shape[-1]
+            sess.last = StepStash(H=H.view(B, P, d), logits=out.reshape(B, P, V), mask=res.mask.view(B, P, V),
+                                  fed_total=sess.fed_total)
         return out
+
+
+def _fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """Greedy drafting: give every uncomputed token the same value c, chosen so that the tokens
+    outside S carry the mass the screen *estimates* for them, Σ_{i∉S} exp(est_i).
+
+    Why: the assistant's confidence stop (``assistant_confidence_threshold``) reads
+    ``softmax(scores)`` at the drafted token; with -inf outside S that probability would be
+    inflated and drafts would run longer than stock's. With the fill it matches stock's up to the
+    screen's estimate error. The argmax is unchanged: c <= max_{i∉S} est_i <= max U_i < τ <= the
+    top exact logit, and c is kept 4 ulps (of the output dtype) below the top so rounding cannot
+    create a tie. Greedy verification reads only the target's logits, so tokens stay exact.
+    """
+    outside = ~S
+    n_out = outside.sum(1)
+    tail = torch.logsumexp(est.masked_fill(S, float("-inf")), dim=1)
+    c = tail - torch.log(n_out.clamp(min=1).float())
+    top = out.float().amax(1)
+    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-6
+    c = torch.minimum(c, top - 4 * eps * top.abs().clamp(min=1.0))
+    c = torch.where((n_out > 0) & torch.isfinite(c), c, torch.full_like(c, float("-inf")))
+    return torch.where(outside, c[:, None].to(out.dtype), out)
 
 
 def _one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

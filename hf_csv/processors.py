@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 from transformers import LogitsProcessor
 
-from .head import CSVSession
+from .errors import CSVError
+from .head import CSVSession, StepStash
 
 __all__ = ["CSVLogitsProcessor"]
 
@@ -53,11 +54,19 @@ class CSVLogitsProcessor(LogitsProcessor):
         sess = self.session
         if sess is None or not sess.verify or sess.mode not in ("topk", "beam"):
             return scores
-        st = sess.last
-        if st is None or st.logits.shape[0] != scores.shape[0]:
-            return scores  # pragma: no cover - the head did not run for this step (should not happen)
+        last = sess.last
+        if last is None:
+            return scores  # the head call of this step used the full head: nothing to check
+        if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
+            raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
+        p = last.position(input_ids.shape[1])
+        st = StepStash(H=last.H[:, p], logits=last.logits[:, p], mask=last.mask[:, p])
         raw = st.logits.float()
         k = min(sess.k, raw.shape[1])
+        if sess.draft and k > 1:
+            # a sampled draft may use any distribution it returns; it only needs a finite row
+            bad = ~torch.isfinite(scores.amax(1).float())
+            return self._rerun(input_ids, scores, sess, st, raw, bad)
         if sess.mode == "topk":
             # k-th largest (a max for greedy: ~10x cheaper than topk over V)
             ob = raw.amax(1) if k == 1 else raw.topk(k, dim=1).values[:, -1]
@@ -70,7 +79,12 @@ class CSVLogitsProcessor(LogitsProcessor):
         kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
         # top-k: uncomputed tokens are < τ <= ob, so equality is still certified; beam: <= ob
         bad = ~(kth >= ob) if sess.mode == "topk" else ~(kth > ob)
+        return self._rerun(input_ids, scores, sess, st, raw, bad)
+
+    def _rerun(self, input_ids, scores, sess, st, raw, bad):
+        """Recompute the ``bad`` rows with the full head and re-run the preceding processors."""
         nbad = int(bad.sum())
+        raw = raw.clone()  # the stash views the model's output logits: never write into them
         if self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": nbad})
         if nbad == 0:

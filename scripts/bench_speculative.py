@@ -31,6 +31,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import hf_csv  # noqa: E402
+from hf_csv import CSVConfig  # noqa: E402
 from hf_csv.verify import (  # noqa: E402
     LossyVerifyWarning,
     check_transformers_version,
@@ -187,11 +189,90 @@ def bench_quality(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- part 2 hook
 
 
+def _load_pair(target: str, draft: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    td, dd = MODELS / target, MODELS / draft
+    if not ((td / "PROVENANCE.json").is_file() and (dd / "PROVENANCE.json").is_file()):
+        raise SystemExit(f"part 2 needs {td} and {dd}: python ../shared/models/prepare.py {target} {draft}")
+    tok = AutoTokenizer.from_pretrained(td)
+    tm = hf_csv.enable(AutoModelForCausalLM.from_pretrained(td, dtype=torch.float32).eval())
+    dm = AutoModelForCausalLM.from_pretrained(dd, dtype=torch.float32).eval()
+    return tok, tm, dm
+
+
+@torch.no_grad()
 def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 2 hook (for the lead): end-to-end ``model.generate(assistant_model=..., do_sample=True)``
-    stock vs inside ``hf_csv.verify.patch_speculative_sampling(mode)``; return a JSON-able dict
-    (e.g. tokens/s per mode, acceptance rates, the ratio to stock)."""
-    raise NotImplementedError("part 2 (end-to-end assisted generation) is not implemented yet")
+    """End-to-end assisted generation on a real pair, stock and hf_csv interleaved in one process.
+
+    Greedy: ``target.generate(assistant_model=draft)`` stock vs ``csv_config=CSVConfig()`` (certified
+    top-1 for the draft head and for the target's L+1 verified positions); tokens must be identical.
+    Sampling (reported, not compared token by token: a different random stream): stock vs hf_csv
+    (sub-vocabulary draft + exact fast verify). The plain target (no assistant) is timed too.
+    """
+    tok, tm, dm = _load_pair(args.target, args.draft)
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = prompts[: args.e2e_prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    cfg = CSVConfig()
+    gen_kw = dict(max_new_tokens=args.new_tokens, pad_token_id=pad)
+    # warm-up: builds the int8 screens (once per model) and the caches
+    warm = tok(prompts[0], return_tensors="pt")
+    for _ in range(2):  # long enough that the verify step sees its large shapes once before timing
+        tm.generate(**warm, assistant_model=dm, do_sample=False, csv_config=cfg, max_new_tokens=32, pad_token_id=pad)
+        tm.generate(**warm, assistant_model=dm, do_sample=False, max_new_tokens=32, pad_token_id=pad)
+    modes = {
+        "plain_stock": lambda x: tm.generate(**x, do_sample=False, **gen_kw),
+        "assisted_stock": lambda x: tm.generate(**x, assistant_model=dm, do_sample=False, **gen_kw),
+        "assisted_csv": lambda x: tm.generate(**x, assistant_model=dm, do_sample=False, csv_config=cfg, **gen_kw),
+    }
+    if args.e2e_sampling:
+        modes["sampling_assisted_stock"] = lambda x: tm.generate(**x, assistant_model=dm, do_sample=True, **gen_kw)
+        modes["sampling_assisted_csv"] = lambda x: tm.generate(**x, assistant_model=dm, do_sample=True,
+                                                               csv_config=cfg, **gen_kw)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    toks: dict[str, int] = {m: 0 for m in modes}
+    identical = True
+    draft_stats, stats = [], []
+    for run in range(args.e2e_runs):
+        per_run = {m: [0.0, 0] for m in modes}
+        for i, text in enumerate(prompts):
+            x = dict(tok(text, return_tensors="pt"))
+            n0 = x["input_ids"].shape[1]
+            outs = {}
+            for m, fn in modes.items():
+                torch.manual_seed(1000 * run + i)
+                t0 = time.perf_counter()
+                out = fn(x)
+                per_run[m][0] += time.perf_counter() - t0
+                per_run[m][1] += out.shape[1] - n0
+                outs[m] = out
+            identical &= torch.equal(outs["assisted_csv"], outs["assisted_stock"])
+            identical &= torch.equal(outs["assisted_stock"], outs["plain_stock"])
+            st = tm.csv_last_stats if "sampling_assisted_csv" not in outs else None
+            if run == 0:
+                # stats of the greedy csv call: rerun once outside the timing to read them
+                o = tm.generate(**x, assistant_model=dm, do_sample=False, csv_config=cfg, return_dict_in_generate=True,
+                                **gen_kw)
+                stats.append(o.csv_stats)
+        for m in modes:
+            times[m].append(per_run[m][1] / per_run[m][0])
+            toks[m] = per_run[m][1]
+    med = {m: statistics.median(v) for m, v in times.items()}
+    res: dict[str, Any] = {
+        "target": args.target, "draft": args.draft, "prompts": len(prompts), "new_tokens": args.new_tokens,
+        "runs": args.e2e_runs, "tokens_per_s_runs": times, "tokens_per_s_median": med,
+        "assisted_tokens_per_s_stock": med["assisted_stock"], "assisted_tokens_per_s_csv": med["assisted_csv"],
+        "assisted_speedup": med["assisted_csv"] / med["assisted_stock"],
+        "assisted_speedup_runs": [c / s for c, s in zip(times["assisted_csv"], times["assisted_stock"])],
+        "assisted_stock_vs_plain": med["assisted_stock"] / med["plain_stock"],
+        "assisted_csv_vs_plain": med["assisted_csv"] / med["plain_stock"],
+        "identical_tokens": bool(identical),
+        "csv_stats_first_run": stats,
+    }
+    if args.e2e_sampling:
+        res["sampling_assisted_speedup"] = med["sampling_assisted_csv"] / med["sampling_assisted_stock"]
+    return res
 
 
 # ----------------------------------------------------------------------------- plot + main
@@ -237,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="qwen-coder-0.5b", help="real draft (same tokenizer)")
     ap.add_argument("--prompts", type=int, default=12, help="prompts for the quality measurement")
     ap.add_argument("--no-real", action="store_true", help="skip the real-model quality measurement")
-    ap.add_argument("--part2", action="store_true", help="also run bench_end_to_end (part 2 hook)")
+    ap.add_argument("--part2", action="store_true", help="also run part 2 (end-to-end assisted generation)")
+    ap.add_argument("--part2-only", action="store_true", help="run part 2 only")
+    ap.add_argument("--new-tokens", type=int, default=64, help="part 2: new tokens per prompt")
+    ap.add_argument("--e2e-prompts", type=int, default=4, help="part 2: prompts per run")
+    ap.add_argument("--e2e-runs", type=int, default=3, help="part 2: interleaved runs (median reported)")
+    ap.add_argument("--e2e-sampling", action="store_true", help="part 2: also time assisted sampling")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
                 "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
                 "cpu_count": os.cpu_count()},
     }
+    if args.part2_only:
+        res["end_to_end"] = e2e = bench_end_to_end(args)
+        for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup", "identical_tokens"):
+            res[k] = e2e[k]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+        print(json.dumps({k: v for k, v in e2e.items() if k != "csv_stats_first_run"}, indent=2))
+        return 0
     res.update(bench_verify(args.V, args.L, args.repeats, args.cases, args.seed))
     quality = bench_quality(args)
     res["quality"] = quality
@@ -259,13 +353,16 @@ def main(argv: list[str] | None = None) -> int:
     res["sigmoid_acceptance"] = src["T1"]["sigmoid_acceptance"]
     res["sigmoid_tv_from_target"] = src["T1"]["sigmoid_tv_from_target"]
     if args.part2:
-        res["end_to_end"] = bench_end_to_end(args)
+        res["end_to_end"] = e2e = bench_end_to_end(args)
+        for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup", "identical_tokens"):
+            res[k] = e2e[k]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=2))
     png = args.png or args.json.with_suffix(".png")
     plot(res, png)
     print(json.dumps({k: res[k] for k in ("verify_speedup_exact", "verify_speedup_sigmoid", "sigmoid_acceptance",
-                                          "sigmoid_tv_from_target", "quality_source")}, indent=2))
+                                          "sigmoid_tv_from_target", "quality_source", "assisted_speedup",
+                                          "identical_tokens") if k in res}, indent=2))
     print(f"wrote {args.json} and {png}")
     return 0
 

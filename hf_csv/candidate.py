@@ -1,0 +1,223 @@
+"""Assisted generation with a sub-vocabulary draft head: ``generate(assistant_model=draft, csv_config=...)``.
+
+What it does, during one certified assisted ``generate`` call on the target model:
+
+* **Draft head.** The stock :class:`~transformers.generation.candidate_generator.AssistedCandidateGenerator`
+  is kept (nothing of transformers is copied); only its ``get_candidates`` is wrapped, on that one
+  instance, so that the assistant's own ``generate`` runs with a *draft session* of the certified
+  head (``hf_csv.generation._decide_draft``):
+
+  - greedy drafts use the certified top-1: the drafted tokens are exactly the stock draft's;
+  - sampled drafts draw from the exact logits on a certified top-``draft_top_k`` set (``-inf``
+    elsewhere) and those same logits are returned as the candidate logits. Speculative sampling
+    is lossless for *any* draft distribution q as long as q is the one the draft sampled from, so
+    the output distribution stays exactly the target's.
+
+* **Settings passed to the main generate.** ``num_assistant_tokens``, ``num_assistant_tokens_schedule``
+  and ``assistant_confidence_threshold`` given to the *target's* ``generate`` are applied to the
+  candidate generator for this call (stock reads them only from the assistant's generation config
+  and silently ignores them here: transformers issue #40739). A ``"heuristic"`` schedule passed
+  this way is per call (the assistant's saved ``generation_config`` is not modified).
+
+* **Where it patches.** An instance-level ``_get_candidate_generator`` on the target model, active
+  only in contexts with a certified session on that model (:mod:`contextvars`), reference-counted
+  and removed on exit, also after an exception. Other candidate generators (prompt lookup,
+  different tokenizers, early exit, ...) are left stock, with a logged reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+from torch import nn
+
+from .certificate import CertStats
+from .config import CSVConfig
+from .errors import CSVError
+from .head import CSVSession, _tlog, active_session
+
+__all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings"]
+
+_LOCK = threading.RLock()
+_PATCHED: dict[int, list] = {}  # id(model) -> [refcount]
+
+
+ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def user_assistant_settings(kwargs: dict) -> dict:
+    """The assistant settings the caller passed to the *main* ``generate``: as keyword arguments, or
+    set (not ``None``) on a ``generation_config`` they passed. transformers fills unset fields with
+    global defaults later, so this must be read from the caller's arguments."""
+    out = {}
+    gc = kwargs.get("generation_config")
+    for key in ASSISTANT_KEYS:
+        if gc is not None and getattr(gc, key, None) is not None:
+            out[key] = getattr(gc, key)
+        if kwargs.get(key) is not None:
+            out[key] = kwargs[key]
+    return out
+
+
+def apply_main_assistant_settings(gen: Any, settings: dict) -> dict:
+    """Apply ``settings`` (see :func:`user_assistant_settings`) to the candidate generator; returns them.
+
+    Keys not in ``settings`` are left as the assistant's own generation config decided them.
+    """
+    applied = {}
+    n = settings.get("num_assistant_tokens")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_assistant_tokens must be an int >= 1, got {n!r}")
+        gen.num_assistant_tokens = n
+        applied["num_assistant_tokens"] = n
+    sched = settings.get("num_assistant_tokens_schedule")
+    if sched is not None:
+        if sched not in ("heuristic", "heuristic_transient", "constant"):
+            raise ValueError(f"num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or "
+                             f"'constant', got {sched!r}")
+        gen.assistant_generation_config.num_assistant_tokens_schedule = sched
+        applied["num_assistant_tokens_schedule"] = sched
+    thr = settings.get("assistant_confidence_threshold")
+    if thr is not None:
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr < 1:
+            raise ValueError(f"assistant_confidence_threshold must be a number in [0, 1), got {thr!r}")
+        gen.assistant_confidence_threshold = thr
+        gen.assistant_generation_config.assistant_confidence_threshold = thr
+        gen.generation_config.assistant_confidence_threshold = thr  # what ConfidenceCriteria reads
+        if thr and not hasattr(gen, "probs"):  # stock's ROC adaptation (with scikit-learn) keeps these
+            gen.probs, gen.matches = [], []
+        applied["assistant_confidence_threshold"] = thr
+    return applied
+
+
+def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
+    """Wrap ``gen.get_candidates`` (this instance only) so the assistant drafts with the certified head."""
+    from .generation import _make_session, certified
+
+    assistant = gen.assistant_model
+    inner: Callable = gen.get_candidates
+    draft = {"draft_stats": CertStats(), "draft_calls": 0, "draft_head_calls": 0,
+             "draft_full_head_calls": 0, "draft_reasons": []}
+
+    def get_candidates(input_ids, **kwargs):
+        sess = _make_session(assistant, config, {})
+        sess.draft = True
+        with certified(assistant, sess):
+            out = inner(input_ids, **kwargs)
+        draft["draft_calls"] += 1
+        draft["draft_stats"].merge(sess.stats)
+        draft["draft_head_calls"] += sess.head_calls
+        draft["draft_full_head_calls"] += sess.full_calls
+        if sess.head_calls:  # a call that returned early (max_new_tokens == 0) decided nothing
+            draft["draft_mode"] = sess.mode
+        for r in sess.reasons:
+            if r not in draft["draft_reasons"]:
+                draft["draft_reasons"].append(r)
+        st = draft["draft_stats"]
+        main.extra["draft"] = {
+            "mode": draft.get("draft_mode", "none"), "calls": draft["draft_calls"], "head_calls": draft["draft_head_calls"],
+            "full_head_calls": draft["draft_full_head_calls"], "reasons": list(draft["draft_reasons"]),
+            **(st.as_dict() if st.rows else {"rows": 0}),
+        }
+        return out
+
+    gen.get_candidates = get_candidates
+
+
+def _patched(model: nn.Module, orig: Callable) -> Callable:
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    def _get_candidate_generator(*args: Any, **kwargs: Any):
+        gen = orig(*args, **kwargs)
+        sess = active_session(model)
+        if sess is None or sess.draft:
+            return gen
+        if type(gen) is not AssistedCandidateGenerator:
+            msg = f"{type(gen).__name__} candidates: the draft head stays stock"
+            if msg not in sess.reasons:
+                sess.reasons.append(msg)
+                _tlog().info("hf_csv: %s", msg)
+            return gen
+        applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {})
+        if applied:
+            sess.extra["assistant_settings"] = applied
+        if sess.config.draft_head == "subvocab":
+            try:
+                from .head import find_head
+
+                find_head(gen.assistant_model)
+            except CSVError as e:
+                sess.reasons.append(f"draft head stays stock: {e}")
+                _tlog().info("hf_csv: draft head stays stock: %s", e)
+                return gen
+            _attach_draft_head(gen, sess.config, sess)
+        return gen
+
+    _get_candidate_generator._hf_csv = True
+    return _get_candidate_generator
+
+
+@contextlib.contextmanager
+def patched_candidate_generator(model: nn.Module, sess: CSVSession, config: CSVConfig) -> Iterator[None]:
+    """Scoped, restoring instance-level patch of ``model._get_candidate_generator`` (see module doc)."""
+    key = id(model)
+    with _LOCK:
+        entry = _PATCHED.get(key)
+        if entry is None:
+            entry = [0]
+            _PATCHED[key] = entry
+            orig = type(model)._get_candidate_generator.__get__(model)
+            model.__dict__["_get_candidate_generator"] = _patched(model, orig)
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                model.__dict__.pop("_get_candidate_generator", None)
+                del _PATCHED[key]
+
+
+def truncated_assistant(model: nn.Module, num_layers: int) -> nn.Module:
+    """A draft built from the first ``num_layers`` decoder layers of ``model`` (shared weights copied).
+
+    * decoder-only models: the same class with ``num_hidden_layers = num_layers``;
+    * Whisper: a ``WhisperForCausalLM`` decoder (distil-whisper style) that reads the target's
+      encoder outputs, which assisted generation passes to it.
+
+    Untrained truncation: the draft agrees with the target less often than a distilled draft would;
+    it exists so the API can be exercised on real weights without downloading one.
+    """
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    if getattr(cfg, "model_type", None) == "whisper":
+        from transformers import WhisperForCausalLM
+
+        if not 1 <= num_layers <= cfg.decoder_layers:
+            raise ValueError(f"num_layers must be in [1, {cfg.decoder_layers}], got {num_layers}")
+        cfg.decoder_layers = num_layers
+        cfg.is_encoder_decoder = False
+        draft = WhisperForCausalLM(cfg)
+    else:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        n = getattr(text, "num_hidden_layers", None)
+        if n is None:
+            raise ValueError(f"{type(model).__name__}: no num_hidden_layers in its config")
+        if not 1 <= num_layers <= n:
+            raise ValueError(f"num_layers must be in [1, {n}], got {num_layers}")
+        text.num_hidden_layers = num_layers
+        if hasattr(text, "layer_types") and text.layer_types is not None:
+            text.layer_types = list(text.layer_types)[:num_layers]
+        draft = type(model)(cfg)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in missing if k not in getattr(draft, "_tied_weights_keys", {}) and "proj_out" not in k
+               and "lm_head" not in k]
+    if missing:
+        raise CSVError(f"truncated assistant: weights not found in the target: {missing[:5]}")
+    draft.tie_weights() if hasattr(draft, "tie_weights") else None
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft.to(next(model.parameters()).dtype).eval()

@@ -1,0 +1,43 @@
+"""device_map placements: an offloaded head falls back cleanly (logged reason), a head on its own
+device is certified there."""
+import logging
+
+import torch
+from accelerate import dispatch_model
+
+import hf_csv
+from dist_worker import tiny_llama
+from hf_csv import CSVConfig
+
+IDS = torch.tensor([[5, 17, 33, 2, 9, 44]])
+
+
+def test_offloaded_head_falls_back_with_a_logged_reason(tmp_path, caplog):
+    m = tiny_llama()
+    ref = m.generate(IDS, max_new_tokens=12, do_sample=False)
+    m = dispatch_model(m, device_map={"model": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path))
+    assert m.lm_head.weight.device.type == "meta"
+    hf_csv.enable(m)
+    from transformers.utils import logging as tlogging
+
+    tlogging.set_verbosity_info()
+    try:
+        with caplog.at_level(logging.INFO):
+            out = m.generate(IDS, max_new_tokens=12, do_sample=False, csv_config=CSVConfig(),
+                             return_dict_in_generate=True)
+    finally:
+        tlogging.set_verbosity_warning()
+    assert torch.equal(out.sequences, ref)
+    assert out.csv_stats["mode"] == "full" and "offloaded" in out.csv_stats["reasons"][0]
+    assert type(m.lm_head).__name__ == "Linear"  # restored
+
+
+def test_head_on_its_own_device_is_certified():
+    """Body and head dispatched separately (accelerate hooks on both): certified and identical."""
+    m = tiny_llama()
+    ref = m.generate(IDS, max_new_tokens=12, do_sample=False)
+    m = dispatch_model(m, device_map={"model": "cpu", "lm_head": "cpu"})
+    hf_csv.enable(m)
+    out = m.generate(IDS, max_new_tokens=12, do_sample=False, csv_config=CSVConfig(), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.csv_stats["certified"] > 0 and out.csv_stats["mode"] == "topk"
