@@ -17,7 +17,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from hf_csv_kernels import get_op, quantize_rows_int8, unit_roundoff
+from hf_csv_kernels import get_op, quantize_rows_fp8, quantize_rows_int8, unit_roundoff
 from hf_csv_kernels.screen import prepare_screen
 
 from .index import VocabIndex
@@ -47,14 +47,18 @@ class ScreenProvider:
     name = "screen"
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
-                 outlier_cols: Optional[torch.Tensor] = None):
+                 outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8"):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be [V, d], got {tuple(weight.shape)}")
         self.vocab_size, self.hidden_size = weight.shape
         self.device = weight.device
         self.bias = None if bias is None else bias.detach().float()
         self._bias_margin = None if bias is None else self.bias.abs() * (2 * unit_roundoff())
-        self.rows = quantize_rows_int8(weight.detach())
+        if quant not in ("int8", "fp8"):
+            raise ValueError(f"screen quant must be 'int8' or 'fp8' (e4m3), got {quant!r}")
+        self.quant = quant
+        # fp8 e4m3: Triton kernel on GPUs with fp8 support (sm89+), weight-only reference elsewhere
+        self.rows = (quantize_rows_int8 if quant == "int8" else quantize_rows_fp8)(weight.detach())
         self.num_outliers = min(int(num_outliers), self.hidden_size)
         self.state = None
         if outlier_cols is not None or self.num_outliers == 0:

@@ -59,6 +59,8 @@ class CSVConfig:
             ranks agree on the certified top-k with O(k) collectives (docs/distributed.md). A head
             that a tensor-parallel plan already sharded by vocabulary is used as sharded, whatever
             this field says. ``None``: every rank runs the whole certified head.
+        screen_quant: storage of the screen's rows: ``"int8"`` (default; fbgemm fast path on CPU) or
+            ``"fp8"`` (e4m3, per-row scaled; Triton on GPUs with fp8 support, reference elsewhere).
     """
 
     mode: str = "auto"
@@ -74,6 +76,7 @@ class CSVConfig:
     draft_head: str = "subvocab"
     draft_top_k: int = 64
     vocab_parallel: Optional[str] = None
+    screen_quant: str = "int8"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -112,13 +115,16 @@ class CSVConfig:
         if self.vocab_parallel is not None and self.vocab_parallel not in VOCAB_PARALLEL:
             raise ValueError(f"CSVConfig.vocab_parallel must be one of {VOCAB_PARALLEL} or None, "
                              f"got {self.vocab_parallel!r}")
+        if self.screen_quant not in ("int8", "fp8"):
+            raise ValueError(f"CSVConfig.screen_quant must be 'int8' or 'fp8', got {self.screen_quant!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
 
     def head_key(self) -> tuple:
         """What determines the cached :class:`CertifiedHead` (the int8 screen is built once per key)."""
         idx = self.index if isinstance(self.index, (str, os.PathLike, type(None))) else id(self.index)
-        return (self.provider, self.budget, str(idx), self.revision, self.num_outliers, self.vocab_parallel)
+        return (self.provider, self.budget, str(idx), self.revision, self.num_outliers, self.vocab_parallel,
+                self.screen_quant)
 
     def to_dict(self) -> dict:
         return {f.name: (getattr(self, f.name) if f.name != "index" or self.index is None

@@ -170,8 +170,9 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
                 ch = _vocab_parallel_head(head, config, index)
             else:
                 ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
-                                   budget=config.budget, **({"num_outliers": config.num_outliers}
-                                                            if config.provider == "screen" else {}))
+                                   budget=config.budget,
+                                   **({"num_outliers": config.num_outliers, "quant": config.screen_quant}
+                                      if config.provider == "screen" else {}))
             ch._src_key = _weight_key(head.weight)
             per[key] = ch
     return ch

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Int8Rows", "quantize_rows_int8", "unit_roundoff", "gamma", "round_up_f32"]
+__all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "unit_roundoff", "gamma",
+           "round_up_f32", "FP8_E4M3_MAX"]
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
@@ -40,9 +43,10 @@ def round_up_f32(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8Rows:
-    """int8 rows plus the per-row terms the screen's error bound needs."""
+    """Quantized rows (int8, or fp8 e4m3 from :func:`quantize_rows_fp8`) plus the per-row terms the
+    screen's error bound needs. Ŵ_i = scale_i · float(q_i) is exact in fp32 for both formats."""
 
-    q: torch.Tensor  # int8 [V, d]
+    q: torch.Tensor  # int8 or float8_e4m3fn [V, d]
     scale: torch.Tensor  # float32 [V]
     err_l2: torch.Tensor  # float32 [V], >= ||W_i - s_i q_i||_2
     l1: torch.Tensor  # float32 [V], >= ||s_i q_i||_1
@@ -84,6 +88,47 @@ def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Row
         scale[lo : lo + chunk_rows] = s
         wd = w.double()
         deq = qi.double() * s.double()[:, None]  # s_i * q_ij is exact in float64
+        err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
+        l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
+        abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))
+    return Int8Rows(q=q, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+
+
+QuantRows = Int8Rows  # the same container serves both formats
+
+
+@torch.no_grad()
+def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+    """Per-row scaled fp8 e4m3 rows (scale_i = max|W_i| / 448), with the same rigorous error terms.
+
+    e4m3 keeps 3 mantissa bits at every magnitude, so small weights keep their relative precision
+    (int8 rounds them to a uniform step of max|W_i|/127). Both are one byte per weight: on a GPU
+    the screen reads the same bytes; which bound is tighter is an empirical question per head
+    (scripts/certify_report.py --quant fp8 measures it).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, d], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    if not hasattr(torch, "float8_e4m3fn"):  # pragma: no cover - old torch
+        raise RuntimeError("this torch has no float8_e4m3fn dtype")
+    V, d = weight.shape
+    q = torch.empty(V, d, dtype=torch.float8_e4m3fn, device=weight.device)
+    scale = torch.empty(V, dtype=torch.float32, device=weight.device)
+    err_l2 = torch.empty_like(scale)
+    l1 = torch.empty_like(scale)
+    abs_l1 = torch.empty_like(scale)
+    for lo in range(0, V, chunk_rows):
+        w = weight[lo : lo + chunk_rows].float()
+        if not torch.isfinite(w).all():
+            raise ValueError("head weight contains non-finite values")
+        s = w.abs().amax(1) / FP8_E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        qi = (w / s[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        q[lo : lo + chunk_rows] = qi
+        scale[lo : lo + chunk_rows] = s
+        wd = w.double()
+        deq = qi.double() * s.double()[:, None]  # exact: 4-bit significand times a float32
         err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
         l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
         abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))

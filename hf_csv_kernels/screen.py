@@ -66,7 +66,7 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
         raise ValueError(f"outlier columns must lie in [0, {d})")
     w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
     packed = None
-    if pack_cpu and rows.q.device.type == "cpu" and fbgemm_available():
+    if pack_cpu and rows.q.dtype == torch.int8 and rows.q.device.type == "cpu" and fbgemm_available():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch deprecates quantized tensor creation
             qw = torch._make_per_channel_quantized_tensor(
@@ -106,8 +106,8 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     accumulation is exact; the remaining float steps (dequantization, rescale, the
     fp32 outlier GEMV over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
     """
-    if state.packed is None:
-        raise RuntimeError("screen state has no fbgemm packed weight (CPU fast path unavailable)")
+    if state.packed is None:  # fp8 rows, or a build without fbgemm: the weight-only reference
+        return screen_int8_reference(state, H)
     rows = state.rows
     H = H.float()
     J = state.outlier_cols

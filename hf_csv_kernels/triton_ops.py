@@ -26,7 +26,7 @@ BLOCK_D = 64
 # ----------------------------------------------------------------------------- screen
 @triton.jit
 def _screen_kernel(Q, S, E2, L1, H, HN, COEF, EST, RAD, BMAX, V, D, stride_q, stride_h, stride_o, nblk,
-                   BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     pid_v = tl.program_id(0)
     n = tl.program_id(1)
     rows = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -35,8 +35,19 @@ def _screen_kernel(Q, S, E2, L1, H, HN, COEF, EST, RAD, BMAX, V, D, stride_q, st
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         cmask = cols < D
-        q = tl.load(Q + rows[:, None].to(tl.int64) * stride_q + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0).to(tl.float32)
+        raw = tl.load(Q + rows[:, None].to(tl.int64) * stride_q + cols[None, :],
+                      mask=rmask[:, None] & cmask[None, :], other=0)
+        if FP8:
+            # e4m3fn bytes decoded exactly with integer ops (no sm89 fp8 unit needed):
+            # normal (1 + m/8)·2^(e-7) -> fp32 bits ((e+120) << 23) | (m << 20); subnormal m·2^-9
+            b = raw.to(tl.int32)
+            e = (b >> 3) & 15
+            m = b & 7
+            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+            q = tl.where((b & 128) != 0, -mag, mag)
+        else:
+            q = raw.to(tl.float32)
         h = tl.load(H + n * stride_h + cols, mask=cmask, other=0.0)
         acc += tl.sum(q * h[None, :], axis=1)
     s = tl.load(S + rows, mask=rmask, other=0.0)
@@ -68,13 +79,16 @@ def screen_int8_with_block_max(state: ScreenState, H: torch.Tensor, block: int =
     rad = torch.empty_like(est)
     nblk = triton.cdiv(V, block)
     bmax = torch.empty(N, nblk, dtype=torch.float32, device=H.device)
-    q = rows.q.contiguous()
+    fp8 = rows.q.dtype != torch.int8
+    q = rows.q.contiguous().view(torch.uint8) if fp8 else rows.q.contiguous()
     _screen_kernel[(nblk, N)](q, rows.scale, rows.err_l2, rows.l1, H, hn, coef, est, rad, bmax, V, D,
-                              q.stride(0), H.stride(0), est.stride(0), nblk, BLOCK_V=block, BLOCK_D=BLOCK_D)
+                              q.stride(0), H.stride(0), est.stride(0), nblk, BLOCK_V=block, BLOCK_D=BLOCK_D,
+                              FP8=fp8)
     return est, rad, bmax
 
 
 def screen_int8(state: ScreenState, H: torch.Tensor):
+    """The screen for int8 rows or fp8 e4m3 rows (decoded in-kernel, so any CUDA GPU runs it)."""
     est, rad, _ = screen_int8_with_block_max(state, H)
     return est, rad
 

@@ -73,6 +73,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory (HF format)")
     ap.add_argument("--provider", choices=["screen", "cluster"], default="screen")
+    ap.add_argument("--quant", choices=["int8", "fp8"], default="int8",
+                    help="screen row format (fp8 = e4m3; on CPU it runs the weight-only reference)")
     ap.add_argument("--index", help="index directory for the cluster provider (built if missing)")
     ap.add_argument("--num-clusters", type=int, default=None)
     ap.add_argument("--text", type=Path, default=DEFAULT_PROMPTS, help="text or prompts.jsonl")
@@ -96,7 +98,8 @@ def main(argv=None) -> dict:
             if args.index:
                 index.save_pretrained(args.index)
     t0 = time.perf_counter()
-    head = CertifiedHead(W, b, provider=args.provider, index=index, budget=1.0)
+    kw = {"quant": args.quant} if args.provider == "screen" else {}
+    head = CertifiedHead(W, b, provider=args.provider, index=index, budget=1.0, **kw)
     setup_s = time.perf_counter() - t0
     if args.provider == "screen":
         head.provider.calibrate(H[: min(32, len(H))])
@@ -121,6 +124,8 @@ def main(argv=None) -> dict:
     ratios = [d / c for d, c in zip(dense_ms, cert_ms)]
     report = {
         "model": Path(args.model).name, "provider": args.provider, "dtype": args.dtype,
+        "quant": args.quant if args.provider == "screen" else None,
+        "kernel_backend": os.environ.get("HF_CSV_KERNELS", "auto"),
         "vocab_size": head.vocab_size, "hidden_size": head.hidden_size, "positions": int(len(H)),
         "certified_fraction": st.certified_fraction,
         "mean_subvocab_fraction": float(sizes.mean()) if len(sizes) else float("nan"),

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hf_csv.bounds import ClusterProvider, ScreenProvider
 from hf_csv.index import VocabIndex
-from hf_csv_kernels import quantize_rows_int8
+from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
 from hf_csv_kernels.screen import prepare_screen, screen_int8_cpu, screen_int8_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -74,6 +74,33 @@ def test_screen_kernels_two_sided(head):
     for fn in (screen_int8_reference, screen_int8_cpu):
         est, rad = fn(state, H)
         assert ((ex - est.double()).abs() <= rad.double()).all(), fn.__name__
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(heads(), st.integers(0, 4))
+def test_fp8_screen_never_underestimates(head, n_out):
+    """fp8 e4m3 rows: the same two-sided bound, and the provider's upper bound with bias."""
+    W, bias, H = head
+    rows = quantize_rows_fp8(W)
+    assert rows.q.dtype == torch.float8_e4m3fn
+    ex = H.double() @ W.double().T
+    est, rad = screen_int8_reference(prepare_screen(rows, torch.tensor([0])), H)
+    assert ((ex - est.double()).abs() <= rad.double()).all()
+    prov = ScreenProvider(W, bias, num_outliers=min(n_out, W.shape[1]), quant="fp8")
+    _, U = prov(H)
+    assert (U.double() >= exact64(W, bias, H)).all()
+
+
+def test_fp8_rows_error_terms_are_exact_upper_bounds():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(200, 64, generator=g) * torch.logspace(-3, 1, 200)[:, None]
+    rows = quantize_rows_fp8(W)
+    deq = rows.q.double() * rows.scale.double()[:, None]
+    assert (rows.err_l2.double() >= (W.double() - deq).norm(dim=1)).all()
+    assert (rows.l1.double() >= deq.abs().sum(1)).all()
+    assert (deq.abs().amax(1) <= W.double().abs().amax(1) * (1 + 2 ** -4)).all()  # scaled into range
+    with pytest.raises(ValueError, match="quant"):
+        ScreenProvider(W, quant="int4")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

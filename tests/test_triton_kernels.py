@@ -45,6 +45,36 @@ def test_screen_matches_reference_and_is_sound(V, d, N):
     assert torch.equal(bmax, torch.cat([low, pad], 1).view(N, nblk, -1).amax(2))
 
 
+def test_screen_fp8_decodes_every_e4m3_code_exactly():
+    """All 254 finite e4m3fn codes (normal, subnormal, ±0) through the in-kernel decoder."""
+    from hf_csv_kernels.quantize import Int8Rows
+
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)[None].to(DEV)  # one row, d = 254
+    one = torch.ones(1, device=DEV)
+    rows = Int8Rows(q=q, scale=one, err_l2=one * 0, l1=one, abs_l1=one)
+    state = prepare_screen(rows, pack_cpu=False)
+    H = torch.eye(254, device=DEV)
+    est, _ = T.screen_int8(state, H)
+    assert torch.equal(est[:, 0], q[0].float())
+
+
+@pytest.mark.parametrize("V,d,N", [(1000, 37, 2), (32000, 8, 1), (151936, 4, 1)])
+def test_screen_fp8_matches_reference_and_is_sound(V, d, N):
+    """fp8 e4m3 rows through the same Triton screen kernel (GPU: sm89+; here the interpreter)."""
+    from hf_csv_kernels import quantize_rows_fp8
+
+    W = rnd(V, d, scale=0.05)
+    H = rnd(N, d, scale=3.0)
+    state = prepare_screen(quantize_rows_fp8(W), pack_cpu=False)
+    est, rad = T.screen_int8(state, H)
+    e_ref, r_ref = screen_int8_reference(state, H)
+    assert torch.allclose(est, e_ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(rad, r_ref, rtol=1e-6, atol=0)
+    exact = H.double() @ W.double().T
+    assert ((exact - est.double()).abs() <= rad.double()).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("V,d,M", [(1000, 37, 77), (51864, 8, 33), (262144, 4, 65)])
 def test_gather_gemv(dtype, V, d, M):
