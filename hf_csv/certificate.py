@@ -116,6 +116,7 @@ class CertifiedHead:
         self._abs_l1 = torch.cat([c.float().abs().sum(1) for c in self.weight.split(16384)]) * (1 + 1e-6)
         # rows with more candidates than this are recomputed with the dense GEMM, then masked
         self._dense_cutoff = max(1, self.vocab_size // 8)
+        self._last_rows: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------- helpers
     def _check(self, H: torch.Tensor) -> torch.Tensor:
@@ -181,6 +182,7 @@ class CertifiedHead:
         stats.subvocab_sizes.extend(sizes.tolist())
         stats.vocab_size = V
         self._last_sparse = (vals, bool(special.any()))  # for the near-tie count without a V-wide pass
+        self._last_rows = r
         return logits
 
     def _run_nonfinite(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
@@ -245,6 +247,8 @@ class CertifiedHead:
             vals, special = self._last_sparse
             if N == 1 and not special and vals.numel() >= 2:
                 top2 = vals.float().topk(2).values[None]  # equals the dense top-2 (-inf outside S)
+            elif not special and self._last_rows is not None:
+                top2 = _sparse_top2(self._last_rows, vals.float(), N)  # no pass over [N, V]
             else:
                 top2 = logits.float().topk(min(2, self.vocab_size), dim=1).values
             if top2.shape[1] == 2:
@@ -340,6 +344,23 @@ class CertifiedHead:
         logits = self._candidates_to_dense(S, H, torch.float32, stats, U)
         tokens = (logits / T + g).argmax(1)
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S)
+
+
+def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor:
+    """Per-row two largest of the sparse (row, value) pairs, -inf where a row has fewer: [N, 2]."""
+    out = torch.full((N, 2), float("-inf"), dtype=vals.dtype, device=vals.device)
+    if vals.numel() == 0:
+        return out
+    order = torch.argsort(vals, descending=True, stable=True)
+    r = rows[order]
+    order2 = torch.argsort(r, stable=True)  # grouped by row, descending values within a row
+    r, v = r[order2], vals[order][order2]
+    counts = torch.bincount(r, minlength=N)
+    start = torch.cumsum(counts, 0) - counts
+    has1, has2 = counts >= 1, counts >= 2
+    out[has1, 0] = v[start[has1]]
+    out[has2, 1] = v[start[has2] + 1]
+    return out
 
 
 def _gumbel(shape, device, generator) -> torch.Tensor:

@@ -200,6 +200,9 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     """
     cfg = session.config
     lower = "lower" in kinds
+    if getattr(gc, "assistant_ensemble_weight", None) is not None:
+        session.set_full("assistant_ensemble_weight mixes the draft's softmax into the output")
+        return session
     if not do_sample:
         session.mode, session.k, session.verify = "topk", 1, lower
         thr = getattr(gc, "assistant_confidence_threshold", None)

@@ -274,25 +274,30 @@ class CSVHead(nn.Module):
 
 
 def _fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """Greedy drafting: give every uncomputed token the same value c, chosen so that the tokens
-    outside S carry the mass the screen *estimates* for them, Σ_{i∉S} exp(est_i).
+    """Greedy drafting: raise the uncomputed tokens to one value c, chosen so that the tokens outside
+    S carry about the mass the screen *estimates* for them, Σ_{i∉S} exp(est_i).
 
     Why: the assistant's confidence stop (``assistant_confidence_threshold``) reads
     ``softmax(scores)`` at the drafted token; with -inf outside S that probability would be
     inflated and drafts would run longer than stock's. With the fill it matches stock's up to the
     screen's estimate error. The argmax is unchanged: c <= max_{i∉S} est_i <= max U_i < τ <= the
     top exact logit, and c is kept 4 ulps (of the output dtype) below the top so rounding cannot
-    create a tie. Greedy verification reads only the target's logits, so tokens stay exact.
+    create a tie. (In-place ``clamp(min=c)``: tokens of S below c are raised too; they are not the
+    argmax, and the value only feeds the confidence estimate.) Greedy verification reads only the
+    target's logits, so tokens stay exact.
     """
-    outside = ~S
-    n_out = outside.sum(1)
-    tail = torch.logsumexp(est.masked_fill(S, float("-inf")), dim=1)
+    n_out = S.shape[1] - S.sum(1)
+    # tail mass = total - mass on S, from one logsumexp pass over est (S is tiny)
+    lse = torch.logsumexp(est, dim=1)
+    r, t = S.nonzero(as_tuple=True)
+    on_s = torch.zeros_like(lse).index_add_(0, r, torch.exp(est[r, t] - lse[r]))
+    tail = torch.log((1 - on_s).clamp(min=0)) + lse  # -inf when S holds (numerically) all the mass
     c = tail - torch.log(n_out.clamp(min=1).float())
     top = out.float().amax(1)
     eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-6
     c = torch.minimum(c, top - 4 * eps * top.abs().clamp(min=1.0))
     c = torch.where((n_out > 0) & torch.isfinite(c), c, torch.full_like(c, float("-inf")))
-    return torch.where(outside, c[:, None].to(out.dtype), out)
+    return out.clamp_(min=c[:, None].to(out.dtype))
 
 
 def _one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -304,6 +304,28 @@ def plot(res: dict[str, Any], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_e2e(e2e: dict[str, Any], path: pathlib.Path) -> None:
+    """Bar chart of part 2: median tokens/s per mode (whiskers: min/max over runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = e2e["tokens_per_s_runs"]
+    names = list(runs)
+    med = [statistics.median(runs[n]) for n in names]
+    lo = [m - min(runs[n]) for m, n in zip(med, names)]
+    hi = [max(runs[n]) - m for m, n in zip(med, names)]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#999", "#6a9fd4", "#2e7d32", "#b39ddb", "#7e57c2"][: len(names)])
+    ax.set_ylabel("tokens / s (median over runs)")
+    ax.set_title(f"{e2e['target']} + {e2e['draft']}: assisted_speedup {e2e['assisted_speedup']:.3f}x, "
+                 f"identical={e2e['identical_tokens']}")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=pathlib.Path, required=True, help="output JSON")
@@ -325,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-runs", type=int, default=3, help="part 2: interleaved runs (median reported)")
     ap.add_argument("--e2e-sampling", action="store_true", help="part 2: also time assisted sampling")
     args = ap.parse_args(argv)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", LossyVerifyWarning)
@@ -338,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.part2_only:
         res["end_to_end"] = e2e = bench_end_to_end(args)
+        plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
         for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup", "identical_tokens"):
             res[k] = e2e[k]
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -356,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         res["end_to_end"] = e2e = bench_end_to_end(args)
         for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup", "identical_tokens"):
             res[k] = e2e[k]
+        plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=2))
     png = args.png or args.json.with_suffix(".png")

@@ -136,9 +136,33 @@ def check_smollm(rank, world, out, model_dir):
     out["smollm"] = (torch.equal(o.sequences, ref), o.csv_stats.get("certified", 0), o.csv_stats.get("rows", 0))
 
 
+def check_tp_auto(rank, world, out, model_dir):
+    """Real SmolLM2 loaded by transformers with tp_plan="auto" (gloo on CPU): lm_head sharded by vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_csv
+    from hf_csv import CSVConfig
+    from hf_csv.distributed import local_shard_of
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    x = tok(["def fibonacci(n):"], return_tensors="pt")
+    single = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ref = single.generate(**x, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    del single
+    m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto").eval())
+    sharded = local_shard_of(m.lm_head.weight) is not None
+    with torch.no_grad():
+        tp = m.generate(**x, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+        o = m.generate(**x, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id,
+                       csv_config=CSVConfig(), return_dict_in_generate=True)
+    out["tp_auto"] = (sharded, torch.equal(tp, ref), torch.equal(o.sequences, tp), o.csv_stats.get("certified", 0))
+
+
 def run(rank: int, world: int, port: int, outdir: str, checks: list, model_dir: str | None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # what torchrun sets (transformers' tp_plan="auto" reads them)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
@@ -152,6 +176,8 @@ def run(rank: int, world: int, port: int, outdir: str, checks: list, model_dir: 
                 check_tensor_parallel(rank, world, out)
             elif c == "smollm":
                 check_smollm(rank, world, out, model_dir)
+            elif c == "tp_auto":
+                check_tp_auto(rank, world, out, model_dir)
     except Exception:  # reported by the parent test
         out["error"] = traceback.format_exc()
     finally:

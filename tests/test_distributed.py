@@ -69,14 +69,17 @@ def test_tensor_parallel_sharded_lm_head_is_used_as_sharded(world_results):
         assert tp_stock_same and csv_same and certified > 0 and parallel, (rank, o["tp"])
 
 
-def test_real_smollm_two_ranks(tmp_path):
+def test_real_smollm_two_ranks_replicated_and_tp_plan_auto(tmp_path):
     d = MODELS / "smollm2-135m"
     if not (d / "PROVENANCE.json").is_file():
         pytest.skip("smollm2-135m not prepared: python ../shared/models/prepare.py ci")
-    outs = _spawn(2, ["smollm"], tmp_path, str(d))
+    outs = _spawn(2, ["smollm", "tp_auto"], tmp_path, str(d))
     for rank, o in enumerate(outs):
         same, certified, rows = o["smollm"]
         assert same and certified == rows > 0, (rank, o["smollm"])
+        # transformers' own tensor parallelism (tp_plan="auto"): the certified head uses its vocabulary shards
+        sharded, tp_same, csv_same, certified = o["tp_auto"]
+        assert sharded and tp_same and csv_same and certified > 0, (rank, o["tp_auto"])
 
 
 def test_shard_tokens_partition_and_errors():
