@@ -26,9 +26,7 @@ What it does, during one certified assisted ``generate`` call on the target mode
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from torch import nn
 
@@ -38,10 +36,6 @@ from .errors import CSVError
 from .head import CSVSession, _tlog, active_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings"]
-
-_LOCK = threading.RLock()
-_PATCHED: dict[int, list] = {}  # id(model) -> [refcount]
-
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -159,26 +153,11 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
     return _get_candidate_generator
 
 
-@contextlib.contextmanager
-def patched_candidate_generator(model: nn.Module, sess: CSVSession, config: CSVConfig) -> Iterator[None]:
+def patched_candidate_generator(model: nn.Module, sess: CSVSession, config: CSVConfig):
     """Scoped, restoring instance-level patch of ``model._get_candidate_generator`` (see module doc)."""
-    key = id(model)
-    with _LOCK:
-        entry = _PATCHED.get(key)
-        if entry is None:
-            entry = [0]
-            _PATCHED[key] = entry
-            orig = type(model)._get_candidate_generator.__get__(model)
-            model.__dict__["_get_candidate_generator"] = _patched(model, orig)
-        entry[0] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[0] -= 1
-            if entry[0] == 0:
-                model.__dict__.pop("_get_candidate_generator", None)
-                del _PATCHED[key]
+    from .generation import instance_override
+
+    return instance_override(model, "_get_candidate_generator", lambda orig: _patched(model, orig))
 
 
 def truncated_assistant(model: nn.Module, num_layers: int) -> nn.Module:

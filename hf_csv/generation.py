@@ -29,7 +29,7 @@ from torch import nn
 
 from ._compat import check_transformers_version
 from .config import CSVConfig
-from .head import (CSVSession, _tlog, active_session, find_head, get_certified_head, model_out_dtype,
+from .head import (CSVSession, active_session, find_head, get_certified_head, model_out_dtype,
                    model_softcap, swapped_head)
 from .processors import CSVLogitsProcessor
 
@@ -264,10 +264,6 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
     return _get_logits_processor
 
 
-_GLP_LOCK = threading.RLock()
-_GLP: dict[int, list] = {}  # id(model) -> [refcount]
-
-
 def _verify_patch(sess: CSVSession, config: CSVConfig):
     """Assisted calls get hf_csv's speculative verify (``config.speculative``); others nothing."""
     if not getattr(sess, "assisted", False) or config.speculative == "stock":
@@ -277,31 +273,48 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
     return patch_speculative_sampling(mode=config.speculative)
 
 
+_OVERRIDE_LOCK = threading.RLock()
+_OVERRIDES: dict[tuple, list] = {}  # (id(model), attribute) -> [refcount]
+
+
+@contextlib.contextmanager
+def instance_override(model: nn.Module, name: str, make: Callable[[Callable], Callable]):
+    """Scoped instance-level override ``model.<name> = make(class method bound to model)``.
+
+    Reference-counted per (model, name) so that nested or concurrent scopes share one override;
+    the last exit removes it, also after an exception. The override itself must consult the
+    calling context (hf_csv.head.active_session) to act only for certified calls.
+    """
+    key = (id(model), name)
+    with _OVERRIDE_LOCK:
+        entry = _OVERRIDES.get(key)
+        if entry is None:
+            entry = [0]
+            _OVERRIDES[key] = entry
+            model.__dict__[name] = make(getattr(type(model), name).__get__(model))
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _OVERRIDE_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                model.__dict__.pop(name, None)
+                del _OVERRIDES[key]
+
+
 @contextlib.contextmanager
 def certified(model: nn.Module, sess: CSVSession):
     """Make ``sess`` active for ``model`` in this context: the instance-level
     ``_get_logits_processor`` (mode decision) and the head swap. Both are restored on exit,
     also on exceptions; concurrent activations on one model are reference-counted."""
-    key = id(model)
-    with _GLP_LOCK:
-        entry = _GLP.get(key)
-        if entry is None:
-            entry = [0]
-            _GLP[key] = entry
-            orig = type(model)._get_logits_processor.__get__(model)
-            model.__dict__["_get_logits_processor"] = _patched_get_logits_processor(model, orig)
-        entry[0] += 1
     hook = model.register_forward_pre_hook(_track_length(sess), with_kwargs=True)
     try:
-        with swapped_head(model, sess):
+        with instance_override(model, "_get_logits_processor", lambda orig: _patched_get_logits_processor(model, orig)), \
+                swapped_head(model, sess):
             yield sess
     finally:
         hook.remove()
-        with _GLP_LOCK:
-            entry[0] -= 1
-            if entry[0] == 0:
-                model.__dict__.pop("_get_logits_processor", None)
-                del _GLP[key]
 
 
 def _track_length(sess: CSVSession) -> Callable:

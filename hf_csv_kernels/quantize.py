@@ -60,19 +60,18 @@ class Int8Rows:
         return self.q.float() * self.scale[:, None]
 
 
-@torch.no_grad()
-def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
-    """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127).
+def _quantize_rows(weight: torch.Tensor, chunk_rows: int, qdtype: torch.dtype, qmax: float, encode) -> Int8Rows:
+    """Per-row symmetric quantization with scale_i = max|W_i| / qmax; ``encode(w / s)`` gives the codes.
 
-    Chunked so that the float64 error computation never holds more than
-    ``chunk_rows`` rows at once.
+    The error terms are computed in float64 from the decoded codes (exact for int8 and e4m3 times a
+    float32 scale) and rounded up to float32, chunked so that at most ``chunk_rows`` rows are held.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, d], got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be floating point, got {weight.dtype}")
     V, d = weight.shape
-    q = torch.empty(V, d, dtype=torch.int8, device=weight.device)
+    q = torch.empty(V, d, dtype=qdtype, device=weight.device)
     scale = torch.empty(V, dtype=torch.float32, device=weight.device)
     err_l2 = torch.empty_like(scale)
     l1 = torch.empty_like(scale)
@@ -81,17 +80,24 @@ def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Row
         w = weight[lo : lo + chunk_rows].float()
         if not torch.isfinite(w).all():
             raise ValueError("head weight contains non-finite values")
-        s = w.abs().amax(1) / 127
+        s = w.abs().amax(1) / qmax
         s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero row: any scale is exact
-        qi = torch.round(w / s[:, None]).clamp_(-127, 127)
-        q[lo : lo + chunk_rows] = qi.to(torch.int8)
+        qi = encode(w / s[:, None])
+        q[lo : lo + chunk_rows] = qi
         scale[lo : lo + chunk_rows] = s
         wd = w.double()
-        deq = qi.double() * s.double()[:, None]  # s_i * q_ij is exact in float64
+        deq = qi.double() * s.double()[:, None]  # code times scale is exact in float64
         err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
         l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
         abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))
     return Int8Rows(q=q, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+
+
+@torch.no_grad()
+def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+    """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127)."""
+    return _quantize_rows(weight, chunk_rows, torch.int8, 127.0,
+                          lambda x: torch.round(x).clamp_(-127, 127).to(torch.int8))
 
 
 QuantRows = Int8Rows  # the same container serves both formats
@@ -106,30 +112,7 @@ def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows
     the screen reads the same bytes; which bound is tighter is an empirical question per head
     (scripts/certify_report.py --quant fp8 measures it).
     """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [V, d], got shape {tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be floating point, got {weight.dtype}")
     if not hasattr(torch, "float8_e4m3fn"):  # pragma: no cover - old torch
         raise RuntimeError("this torch has no float8_e4m3fn dtype")
-    V, d = weight.shape
-    q = torch.empty(V, d, dtype=torch.float8_e4m3fn, device=weight.device)
-    scale = torch.empty(V, dtype=torch.float32, device=weight.device)
-    err_l2 = torch.empty_like(scale)
-    l1 = torch.empty_like(scale)
-    abs_l1 = torch.empty_like(scale)
-    for lo in range(0, V, chunk_rows):
-        w = weight[lo : lo + chunk_rows].float()
-        if not torch.isfinite(w).all():
-            raise ValueError("head weight contains non-finite values")
-        s = w.abs().amax(1) / FP8_E4M3_MAX
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        qi = (w / s[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        q[lo : lo + chunk_rows] = qi
-        scale[lo : lo + chunk_rows] = s
-        wd = w.double()
-        deq = qi.double() * s.double()[:, None]  # exact: 4-bit significand times a float32
-        err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
-        l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
-        abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))
-    return Int8Rows(q=q, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+    return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX,
+                          lambda x: x.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))

@@ -233,7 +233,7 @@ def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {m: [] for m in modes}
     toks: dict[str, int] = {m: 0 for m in modes}
     identical = True
-    draft_stats, stats = [], []
+    stats = []
     for run in range(args.e2e_runs):
         per_run = {m: [0.0, 0] for m in modes}
         for i, text in enumerate(prompts):
@@ -249,7 +249,6 @@ def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
                 outs[m] = out
             identical &= torch.equal(outs["assisted_csv"], outs["assisted_stock"])
             identical &= torch.equal(outs["assisted_stock"], outs["plain_stock"])
-            st = tm.csv_last_stats if "sampling_assisted_csv" not in outs else None
             if run == 0:
                 # stats of the greedy csv call: rerun once outside the timing to read them
                 o = tm.generate(**x, assistant_model=dm, do_sample=False, csv_config=cfg, return_dict_in_generate=True,
