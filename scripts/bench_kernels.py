@@ -3,7 +3,8 @@
 
     python scripts/bench_kernels.py --json OUT.json [--vocab 151936 --hidden 1536]
 
-On CUDA: the Triton screen + exact recompute (CertifiedHead.topk) against the dense bf16 head GEMV,
+On CUDA: the Triton screen + exact recompute (CertifiedHead.topk; int8 and fp8 e4m3 rows) against the
+dense bf16 head GEMV,
 each Triton kernel against its torch reference, medians over --reps, and achieved bandwidth as a
 fraction of the device's peak (table below; unknown devices report null). Without CUDA it times the
 CPU path (fbgemm screen) against the fp32 dense head and says that GPU timings were not measured.
@@ -62,6 +63,9 @@ def main() -> None:
         dense = timed(lambda: hb @ Wb.T, a.reps)
         cert = timed(lambda: head.topk(h), a.reps)
         peak = next((v for k, v in PEAK_GBS.items() if k in rep["device"]), None)
+        head8 = CertifiedHead(W, quant="fp8")
+        cert8 = timed(lambda: head8.topk(h), a.reps)
+        rep.update({"screen_fp8_recompute_ms": cert8, "speedup_fp8_vs_bf16": dense / cert8})
         rep.update({"dense_bf16_ms": dense, "screen_recompute_ms": cert, "speedup_vs_bf16": dense / cert,
                     "dense_bandwidth_frac": (V * d * 2 / dense / 1e6) / peak if peak else None,
                     "screen_bandwidth_frac": (V * d / cert / 1e6) / peak if peak else None})
