@@ -161,7 +161,7 @@ class VocabParallelHead:
         self.local = (CertifiedHead(weight_rows, bias_rows, provider="screen", budget=1.0, num_outliers=num_outliers)
                       if weight_rows.shape[0] > 0 else None)
         self.comm = CommStats()
-        sizes = self._all_gather(torch.tensor([weight_rows.shape[0]], dtype=torch.long))
+        sizes = self._all_gather(torch.tensor([weight_rows.shape[0]], dtype=torch.long, device=weight_rows.device))
         if int(sizes.sum()) != self.vocab_size:
             raise ValueError(f"shards hold {int(sizes.sum())} rows in total, the vocabulary has {self.vocab_size}")
         self.shard_sizes = sizes.view(-1).tolist()

@@ -60,16 +60,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     from hf_csv.distributed import VocabParallelHead, shard_tokens
 
     H, head = hidden_states(MODELS / args.model, args.steps)
-    W = head.weight.detach()
+    dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    H = H.to(dev)
+    W = head.weight.detach().to(dev)
     V = W.shape[0]
-    ids = shard_tokens(V, world, "contiguous")[rank]
+    ids = shard_tokens(V, world, "contiguous")[rank].to(dev)
     rows = W[int(ids[0]):int(ids[-1]) + 1]
     vp = VocabParallelHead(rows, ids, V, budget=0.05)
     sizes = [len(s) for s in shard_tokens(V, world, "contiguous")]
     width = max(sizes)
 
     def allgather_step(h):
-        loc = torch.full((1, width), float("-inf"))
+        loc = torch.full((1, width), float("-inf"), device=dev)
         loc[:, : rows.shape[0]] = h @ rows.T
         out = [torch.empty_like(loc) for _ in range(world)]
         dist.all_gather(out, loc)
