@@ -57,7 +57,7 @@ class ScreenProvider:
         if quant not in ("int8", "fp8"):
             raise ValueError(f"screen quant must be 'int8' or 'fp8' (e4m3), got {quant!r}")
         self.quant = quant
-        # fp8 e4m3: Triton kernel on GPUs with fp8 support (sm89+), weight-only reference elsewhere
+        # fp8 e4m3: decoded exactly inside the Triton screen (any CUDA GPU); weight-only reference on CPU
         self.rows = (quantize_rows_int8 if quant == "int8" else quantize_rows_fp8)(weight.detach())
         self.num_outliers = min(int(num_outliers), self.hidden_size)
         self.state = None

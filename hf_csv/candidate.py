@@ -33,7 +33,7 @@ from torch import nn
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, _tlog, active_session
+from .head import CSVSession, active_session, find_head
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings"]
 
@@ -92,29 +92,24 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
 
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
-    draft = {"draft_stats": CertStats(), "draft_calls": 0, "draft_head_calls": 0,
-             "draft_full_head_calls": 0, "draft_reasons": []}
+    stats = CertStats()
+    summary = main.extra["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
+                                     "reasons": [], "rows": 0}
 
     def get_candidates(input_ids, **kwargs):
         sess = _make_session(assistant, config, {})
         sess.draft = True
         with certified(assistant, sess):
             out = inner(input_ids, **kwargs)
-        draft["draft_calls"] += 1
-        draft["draft_stats"].merge(sess.stats)
-        draft["draft_head_calls"] += sess.head_calls
-        draft["draft_full_head_calls"] += sess.full_calls
+        summary["calls"] += 1
+        summary["head_calls"] += sess.head_calls
+        summary["full_head_calls"] += sess.full_calls
         if sess.head_calls:  # a call that returned early (max_new_tokens == 0) decided nothing
-            draft["draft_mode"] = sess.mode
-        for r in sess.reasons:
-            if r not in draft["draft_reasons"]:
-                draft["draft_reasons"].append(r)
-        st = draft["draft_stats"]
-        main.extra["draft"] = {
-            "mode": draft.get("draft_mode", "none"), "calls": draft["draft_calls"], "head_calls": draft["draft_head_calls"],
-            "full_head_calls": draft["draft_full_head_calls"], "reasons": list(draft["draft_reasons"]),
-            **(st.as_dict() if st.rows else {"rows": 0}),
-        }
+            summary["mode"] = sess.mode
+        summary["reasons"] += [r for r in sess.reasons if r not in summary["reasons"]]
+        stats.merge(sess.stats)
+        if stats.rows:
+            summary.update(stats.as_dict())
         return out
 
     gen.get_candidates = get_candidates
@@ -129,22 +124,16 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
         if sess is None or sess.draft:
             return gen
         if type(gen) is not AssistedCandidateGenerator:
-            msg = f"{type(gen).__name__} candidates: the draft head stays stock"
-            if msg not in sess.reasons:
-                sess.reasons.append(msg)
-                _tlog().info("hf_csv: %s", msg)
+            sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
             return gen
         applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {})
         if applied:
             sess.extra["assistant_settings"] = applied
         if sess.config.draft_head == "subvocab":
             try:
-                from .head import find_head
-
                 find_head(gen.assistant_model)
             except CSVError as e:
-                sess.reasons.append(f"draft head stays stock: {e}")
-                _tlog().info("hf_csv: draft head stays stock: %s", e)
+                sess.note(f"draft head stays stock: {e}")
                 return gen
             _attach_draft_head(gen, sess.config, sess)
         return gen

@@ -60,7 +60,7 @@ class CSVConfig:
             that a tensor-parallel plan already sharded by vocabulary is used as sharded, whatever
             this field says. ``None``: every rank runs the whole certified head.
         screen_quant: storage of the screen's rows: ``"int8"`` (default; fbgemm fast path on CPU) or
-            ``"fp8"`` (e4m3, per-row scaled; Triton on GPUs with fp8 support, reference elsewhere).
+            ``"fp8"`` (e4m3, per-row scaled; Triton on CUDA, weight-only reference on CPU).
     """
 
     mode: str = "auto"

@@ -264,7 +264,8 @@ class VocabParallelHead:
         all_v, all_i = all_v.gather(1, order), all_i.gather(1, order)
         valid = all_i >= 0
         key = torch.where(valid, all_v, torch.full_like(all_v, ninf))
-        top = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+        sorted_key, order = torch.sort(key, dim=1, descending=True, stable=True)
+        top = order[:, :k]
         gv, gi = all_v.gather(1, top), all_i.gather(1, top)
         logits = torch.full((N, self.vocab_size), ninf, dtype=out_dtype, device=dev)
         mask = torch.zeros(N, self.vocab_size, dtype=torch.bool, device=dev)
@@ -275,7 +276,8 @@ class VocabParallelHead:
         # non-finite rows: the gathered values are garbage; give them the (rare) full logits like stock
         if not bool(finite.all()):
             bad = (~finite).nonzero(as_tuple=True)[0]
-            logits[bad] = self._full_rows(H, bad).to(out_dtype)
+            # every rank gets here (H is replicated), so the all-gather inside full() matches up
+            logits[bad] = self.full(H[bad]).to(out_dtype)
             mask[bad] = True
             stats.nonfinite += len(bad)
         self.comm.steps += 1
@@ -290,13 +292,9 @@ class VocabParallelHead:
         stats.subvocab_sizes.extend(sizes.tolist())
         if k == 1 and N:
             # near-ties between the winner and the runner-up among the gathered exact values
-            top2 = torch.sort(key, dim=1, descending=True).values[:, :2]
+            top2 = sorted_key[:, :2]
             if top2.shape[1] == 2:
                 gap = top2[:, 0] - top2[:, 1]
                 tol = top2[:, 0].abs() * (torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 1e-6)
                 stats.near_ties += int((gap <= tol).sum())
         return CertResult(logits=logits, stats=stats, mask=mask)
-
-    def _full_rows(self, H: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # every rank calls this (the non-finite pattern is the same on all ranks: H is replicated)
-        return self.full(H[rows])

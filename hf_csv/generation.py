@@ -141,12 +141,13 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     if session.softcap and (do_sample or num_beams > 1):
         session.set_full("final_logit_softcapping maps -inf to -cap; only greedy is certified")
         return session
+    if (session.assisted or session.draft) and getattr(gc, "assistant_ensemble_weight", None) is not None:
+        session.set_full("assistant_ensemble_weight mixes the target's and the draft's softmax over the full "
+                         "vocabulary")
+        return session
     if session.draft:
         return _decide_draft(session, gc, kinds, do_sample, top_k)
-    if session.assisted and getattr(gc, "assistant_ensemble_weight", None) is not None:
-        session.set_full("assistant_ensemble_weight mixes the target's softmax over the full vocabulary")
-        return session
-    if getattr(session, "assisted", False) and do_sample:
+    if session.assisted and do_sample:
         session.set_full("assisted sampling (speculative sampling) needs the full target distribution")
         return session
     if not do_sample and num_beams == 1:
@@ -200,9 +201,6 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     """
     cfg = session.config
     lower = "lower" in kinds
-    if getattr(gc, "assistant_ensemble_weight", None) is not None:
-        session.set_full("assistant_ensemble_weight mixes the draft's softmax into the output")
-        return session
     if not do_sample:
         session.mode, session.k, session.verify = "topk", 1, lower
         thr = getattr(gc, "assistant_confidence_threshold", None)
@@ -266,7 +264,7 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
 
 def _verify_patch(sess: CSVSession, config: CSVConfig):
     """Assisted calls get hf_csv's speculative verify (``config.speculative``); others nothing."""
-    if not getattr(sess, "assisted", False) or config.speculative == "stock":
+    if not sess.assisted or config.speculative == "stock":
         return contextlib.nullcontext()
     from .verify import patch_speculative_sampling
 
@@ -345,7 +343,7 @@ def _track_length(sess: CSVSession) -> Callable:
 
 def _assist_patch(model: nn.Module, sess: CSVSession, config: CSVConfig):
     """Assisted calls with an assistant model get the sub-vocabulary draft head (hf_csv.candidate)."""
-    if not getattr(sess, "assisted", False):
+    if not sess.assisted:
         return contextlib.nullcontext()
     from .candidate import patched_candidate_generator
 

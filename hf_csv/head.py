@@ -100,13 +100,17 @@ class CSVSession:
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
 
-    def set_full(self, reason: str) -> None:
-        """Use the full head for the rest of this decoding call, and say why (transformers logging)."""
-        self.mode = "full"
-        self.verify = False
+    def note(self, reason: str, what: str = "") -> None:
+        """Record a reason once per call and log it (transformers logging)."""
         if reason not in self.reasons:
             self.reasons.append(reason)
-            _tlog().info("hf_csv: full LM head for this call: %s", reason)
+            _tlog().info("hf_csv: %s%s", what, reason)
+
+    def set_full(self, reason: str) -> None:
+        """Use the full head for the rest of this decoding call, and say why."""
+        self.mode = "full"
+        self.verify = False
+        self.note(reason, "full LM head for this call: ")
 
     def summary(self) -> dict:
         d = self.stats.as_dict() if self.stats.rows else {"rows": 0}
@@ -286,10 +290,10 @@ def _fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.T
     argmax, and the value only feeds the confidence estimate.) Greedy verification reads only the
     target's logits, so tokens stay exact.
     """
-    n_out = S.shape[1] - S.sum(1)
     # tail mass = total - mass on S, from one logsumexp pass over est (S is tiny)
     lse = torch.logsumexp(est, dim=1)
     r, t = S.nonzero(as_tuple=True)
+    n_out = S.shape[1] - torch.bincount(r, minlength=S.shape[0])
     on_s = torch.zeros_like(lse).index_add_(0, r, torch.exp(est[r, t] - lse[r]))
     tail = torch.log((1 - on_s).clamp(min=0)) + lse  # -inf when S holds (numerically) all the mass
     c = tail - torch.log(n_out.clamp(min=1).float())

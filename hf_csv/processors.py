@@ -84,12 +84,12 @@ class CSVLogitsProcessor(LogitsProcessor):
     def _rerun(self, input_ids, scores, sess, st, raw, bad):
         """Recompute the ``bad`` rows with the full head and re-run the preceding processors."""
         nbad = int(bad.sum())
-        raw = raw.clone()  # the stash views the model's output logits: never write into them
         if self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": nbad})
         if nbad == 0:
             return scores
         sess.verify_reruns += nbad
+        raw = raw.clone()  # the stash views the model's output logits: never write into them
         idx = bad.nonzero(as_tuple=True)[0]
         full = sess.head.full(st.H[idx]).to(st.logits.dtype).float()
         if sess.softcap:
