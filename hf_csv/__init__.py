@@ -21,6 +21,7 @@ _LAZY = {
     "disable": "hf_csv.generation",
     "install": "hf_csv.generation",
     "uninstall": "hf_csv.generation",
+    "refresh": "hf_csv.generation",
     "CSVLogitsProcessor": "hf_csv.processors",
     "patch_speculative_sampling": "hf_csv.verify",
 }

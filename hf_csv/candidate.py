@@ -34,6 +34,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .head import CSVSession, active_session, find_head
+from .scope import certified, instance_override, new_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings"]
 
@@ -88,8 +89,6 @@ def apply_main_assistant_settings(gen: Any, settings: dict) -> dict:
 
 def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     """Wrap ``gen.get_candidates`` (this instance only) so the assistant drafts with the certified head."""
-    from .generation import _make_session, certified
-
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
     stats = CertStats()
@@ -97,7 +96,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
                                      "reasons": [], "rows": 0}
 
     def get_candidates(input_ids, **kwargs):
-        sess = _make_session(assistant, config, {})
+        sess = new_session(assistant, config)
         sess.draft = True
         with certified(assistant, sess):
             out = inner(input_ids, **kwargs)
@@ -144,8 +143,6 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
 
 def patched_candidate_generator(model: nn.Module, sess: CSVSession, config: CSVConfig):
     """Scoped, restoring instance-level patch of ``model._get_candidate_generator`` (see module doc)."""
-    from .generation import instance_override
-
     return instance_override(model, "_get_candidate_generator", lambda orig: _patched(model, orig))
 
 

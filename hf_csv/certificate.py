@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
 
@@ -79,10 +80,22 @@ class CertResult:
     tokens: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None  # bool [N, V]: the certified sub-vocabulary (all True on fallback)
     est: Optional[torch.Tensor] = None  # [N, V] the provider's estimate (top-k only; not a bound)
+    # [N] fp32: every token outside S has a stock logit (in the value dtype, before any post-head
+    # transform) <= bound; -inf where the row holds the full head (top-k only)
+    bound: Optional[torch.Tensor] = None
 
 
 class CertifiedHead:
     """An LM head ℓ = W h + b computed on a certified sub-vocabulary.
+
+    What "exact" means here (proofs: docs/certificates.md): every certificate is proven against
+    the head *as stock computes it*, ``F.linear(h, W, b)`` in the weight dtype, whatever order its
+    kernel accumulates in: the bounds carry the worst-case fp32 accumulation error of that GEMM
+    (E = γ_{d+2}(max_i ||W_i||_1·||h||_∞ + max|b|)) and, in bf16/fp16, the rounding to that dtype.
+    The logits returned on S are computed with the same op on the same rows (one GEMM over the
+    union of the candidate columns), so they equal stock's where the kernel is invariant to the
+    number of output columns (measured on the CPUs we test; a kernel that is not can only differ
+    at an exact tie, counted in ``near_ties``).
 
     Args:
         weight: head weight [V, d] (any float dtype; never copied).
@@ -98,6 +111,7 @@ class CertifiedHead:
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"head weight must be a floating [V, d] tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight.detach()
+        self.bias_native = None if bias is None else bias.detach()  # for the stock op, in its own dtype
         self.bias = None if bias is None else bias.detach().float()
         self.vocab_size, self.hidden_size = weight.shape
         if isinstance(index, str):
@@ -114,23 +128,34 @@ class CertifiedHead:
         self._gam = gamma(self.hidden_size + 2)
         # ||W_i||_1 (rounded up) for the recompute's accumulation margin, chunked to avoid an fp32 copy
         self._abs_l1 = torch.cat([c.float().abs().sum(1) for c in self.weight.split(16384)]) * (1 + 1e-6)
+        # stock's GEMM errs by at most γ·(max ||W_i||_1·||h||_∞ + max |b_i|) on any token (scalar per row)
+        self._l1_max = float(self._abs_l1.max()) * (1 + 1e-6)
+        self._b_max = float(self.bias.abs().max()) * (1 + 1e-6) if self.bias is not None else 0.0
         # rows with more candidates than this are recomputed with the dense GEMM, then masked
         self._dense_cutoff = max(1, self.vocab_size // 8)
-        self._last_rows: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------- helpers
-    def _check(self, H: torch.Tensor) -> torch.Tensor:
+    def _check(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 copy, hidden states in the weight dtype as the stock head receives them)."""
         if not torch.is_tensor(H) or not H.is_floating_point():
             raise TypeError(f"hidden states must be a floating tensor, got {type(H).__name__} "
                             f"{getattr(H, 'dtype', '')}")
         if H.dim() != 2 or H.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [N, {self.hidden_size}], got {tuple(H.shape)}")
-        return H.float()
+        return H.float(), (H if H.dtype == self.weight.dtype else H.to(self.weight.dtype))
 
     def full(self, H: torch.Tensor) -> torch.Tensor:
-        """The full head in fp32 (what every certificate is exact relative to)."""
+        """The full head in fp32 arithmetic (the real-valued reference of the bounds' tests)."""
         out = H.float() @ self.weight.float().T if self.weight.dtype != torch.float32 else H.float() @ self.weight.T
         return out + self.bias if self.bias is not None else out
+
+    def stock(self, H: torch.Tensor) -> torch.Tensor:
+        """The head exactly as ``nn.Linear`` computes it: the same op, in the weight dtype."""
+        return F.linear(H.to(self.weight.dtype), self.weight, self.bias_native)
+
+    def stock_error(self, H: torch.Tensor) -> torch.Tensor:
+        """Per row, a bound E on |stock's fp32 accumulator − the real logit| for every token."""
+        return (self._gam * (self._l1_max * H.float().abs().amax(1) + self._b_max)) * (1 + 1e-6)
 
     def exact(self, tokens: torch.Tensor, rows: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact fp32 logits at (rows, tokens) and a rigorous bound on their rounding error."""
@@ -142,8 +167,29 @@ class CertifiedHead:
             err = err + val.abs() * gamma(1)
         return val, err
 
-    def _candidates_to_dense(self, S: torch.Tensor, H: torch.Tensor, out_dtype: torch.dtype,
-                             stats: CertStats, U: torch.Tensor) -> torch.Tensor:
+    def _stock_lower(self, tokens: torch.Tensor, rows: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+        """A lower bound on stock's fp32 accumulator at (rows, tokens), whatever its order."""
+        val, err = self.exact(tokens, rows, H)
+        return _down(_down(val - err, 2) - self.stock_error(H)[rows], 2)
+
+    def _values(self, r: torch.Tensor, t: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor,
+                value_dtype: torch.dtype) -> torch.Tensor:
+        """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
+        all rows and the union of the candidate columns (stock's own arithmetic); otherwise the exact
+        fp32 recompute, rounded to ``value_dtype``."""
+        if t.numel() == 0:
+            return torch.empty(0, dtype=torch.float32, device=Hf.device)
+        if value_dtype == self.weight.dtype:
+            cols, inv = torch.unique(t, return_inverse=True)
+            b = None if self.bias_native is None else self.bias_native[cols]
+            return F.linear(Hn, self.weight[cols], b)[r, inv].float()
+        val, _ = self.exact(t, r, Hf)
+        return val.to(value_dtype).float()
+
+    def _dense(self, S: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
+               stats: CertStats, U: torch.Tensor) -> tuple[torch.Tensor, "_Dense"]:
+        """Dense [N, V] logits in ``value_dtype``: the stock values on S, -inf outside; rows over the
+        budget get the whole stock row (and S = V). Stats are accumulated into ``stats``."""
         N, V = S.shape
         if N <= 8:  # decode: one pass over S; counts from the (small) candidate list
             r, t = S.nonzero(as_tuple=True)
@@ -159,20 +205,19 @@ class CertifiedHead:
                 r, t = r[keep], t[keep]
         else:
             r, t = (S & ~special[:, None] if bool(special.any()) else S).nonzero(as_tuple=True)
-        vals, _ = self.exact(t, r, H)
-        logits = torch.full((N, V), float("-inf"), dtype=out_dtype, device=H.device)
-        logits[r, t] = vals.to(out_dtype)
+        vals = self._values(r, t, Hf, Hn, value_dtype)
+        logits = torch.full((N, V), float("-inf"), dtype=value_dtype, device=Hf.device)
+        logits[r, t] = vals.to(value_dtype)
         if stats.collect_radius:
             stats.radius_sum += float((U[r, t] - vals).sum())
-        if big.any():  # within budget but large: one dense GEMM is cheaper than a gather
-            idx = big.nonzero(as_tuple=True)[0]
-            dense = self.full(H[idx])
-            stats.radius_sum += float(((U[idx] - dense) * S[idx]).sum())
-            logits[idx] = dense.masked_fill(~S[idx], float("-inf")).to(out_dtype)
-        if over.any():
-            idx = over.nonzero(as_tuple=True)[0]
-            logits[idx] = self.full(H[idx]).to(out_dtype)
-            S[idx] = True
+        if bool(special.any()):  # within budget but large (one dense GEMM beats a gather), or over budget
+            idx = special.nonzero(as_tuple=True)[0]
+            dense = self._stock_rows(Hf, Hn, value_dtype)[idx]
+            if stats.collect_radius and bool(big.any()):
+                b = big[idx]
+                stats.radius_sum += float(((U[idx[b]] - dense[b].float()) * S[idx[b]]).sum())
+            logits[idx] = torch.where(over[idx, None] | S[idx], dense, torch.full_like(dense, float("-inf")))
+            S[over] = True
         cert = ~over
         stats.rows += N
         stats.certified += int(cert.sum())
@@ -181,120 +226,124 @@ class CertifiedHead:
         stats.subvocab_sum += int(sizes.sum())
         stats.subvocab_sizes.extend(sizes.tolist())
         stats.vocab_size = V
-        self._last_sparse = (vals, bool(special.any()))  # for the near-tie count without a V-wide pass
-        self._last_rows = r
-        return logits
+        return logits, _Dense(rows=r, vals=vals, special=bool(special.any()), over=over, complete=over | (counts == V))
+
+    def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
+        """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
+        computed on every row, since a GEMM on fewer rows may round differently)."""
+        if value_dtype == self.weight.dtype:
+            return self.stock(Hn)
+        return self.full(Hf).to(value_dtype)
 
     def _run_nonfinite(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
         """Rows with NaN/inf hidden states go to the full head (as stock would), counted."""
-        finite = torch.isfinite(H).all(dim=1)
+        Hf, Hn = self._check(H)
+        finite = torch.isfinite(Hf).all(dim=1)
         if bool(finite.all()):
-            return fn(H, *args, **kwargs)
+            return fn(Hf, Hn, *args, **kwargs)
         stats = CertStats(vocab_size=self.vocab_size)
-        N = H.shape[0]
+        N = Hf.shape[0]
         out_dtype = kwargs.get("out_dtype") or torch.float32
-        logits = torch.empty(N, self.vocab_size, dtype=out_dtype, device=H.device)
-        mask = torch.ones(N, self.vocab_size, dtype=torch.bool, device=H.device)
+        logits = self._stock_rows(Hf, Hn, out_dtype).clone()
+        mask = torch.ones(N, self.vocab_size, dtype=torch.bool, device=Hf.device)
+        bound = torch.full((N,), float("-inf"), device=Hf.device)
         tokens = None
         bad = (~finite).nonzero(as_tuple=True)[0]
-        logits[bad] = self.full(H[bad]).to(out_dtype)
         stats.rows += len(bad)
         stats.fallback += len(bad)
         stats.nonfinite += len(bad)
         good = finite.nonzero(as_tuple=True)[0]
         if len(good):
-            sub = fn(H[good], *args, **kwargs)
+            sub = fn(Hf[good], Hn[good], *args, **kwargs)
             stats.merge(sub.stats)
             if sub.logits is not None:
                 logits[good] = sub.logits
             if sub.mask is not None:
                 mask[good] = sub.mask
+            if sub.bound is not None:
+                bound[good] = sub.bound
             if sub.tokens is not None:
-                tokens = torch.full((N,), -1, dtype=torch.long, device=H.device)
+                tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
                 tokens[good] = sub.tokens
-        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask)
+        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound)
 
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None) -> CertResult:
-        """Dense logits, exact on a set S that provably contains the full head's top-k.
+        """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
-        Proof sketch (docs/certificates.md): seeds s_1..s_k (top-k of the estimate) are computed
-        exactly; τ = min_j (ℓ̂_{s_j} − err_{s_j}) is at most the k-th largest true logit. Every
-        i ∉ S = {U_i >= τ} has ℓ_i <= U_i < τ, so it is not in the top-k. With ``out_dtype`` of
-        lower precision (e.g. bf16, to match a bf16 stock head) τ is lowered by one ulp of that
-        dtype so that tokens that *round* to a tie with the k-th value are kept too.
+        Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
+        k-th largest fp32 logit. S = {U_i >= t} with t chosen so that every i ∉ S has stock value
+        (rounded to ``out_dtype``) <= ``bound`` < round(lo): strictly below the k-th, so neither a
+        top-k filter nor argmax's lowest-index tie-break can pick it. ``out_dtype`` is the dtype
+        stock's head returns (bf16 for a bf16 model); ``None`` means fp32.
         """
-        H = self._check(H)
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype)
 
-    def _topk(self, H: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None) -> CertResult:
-        out_dtype = out_dtype or torch.float32
-        N = H.shape[0]
+    def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None) -> CertResult:
+        d = out_dtype or torch.float32
+        N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(H)
+        est, U = self.provider(Hf)
         seeds = est.argmax(1, keepdim=True) if k == 1 else est.topk(k, dim=1).indices
-        rows = torch.arange(N, device=H.device).repeat_interleave(seeds.shape[1])
-        val, err = self.exact(seeds.reshape(-1), rows, H)
-        tau = (val - err).view(N, -1).amin(1)
-        if out_dtype != torch.float32:
-            tau = tau - tau.abs() * torch.finfo(out_dtype).eps - torch.finfo(out_dtype).tiny
-        S = U >= tau[:, None]
-        logits = self._candidates_to_dense(S, H, out_dtype, stats, U)
+        rows = torch.arange(N, device=Hf.device).repeat_interleave(seeds.shape[1])
+        lo = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1).amin(1)
+        t, bound = _cut(lo, self.stock_error(Hf), d)
+        S = U >= t[:, None]
+        logits, info = self._dense(S, Hf, Hn, d, stats, U)
+        bound = bound.masked_fill(info.complete, float("-inf"))
         if k == 1:
-            vals, special = self._last_sparse
-            if N == 1 and not special and vals.numel() >= 2:
-                top2 = vals.float().topk(2).values[None]  # equals the dense top-2 (-inf outside S)
-            elif not special and self._last_rows is not None:
-                top2 = _sparse_top2(self._last_rows, vals.float(), N)  # no pass over [N, V]
+            if N == 1 and not info.special and info.vals.numel() >= 2:
+                top2 = info.vals.topk(2).values[None]  # equals the dense top-2 (-inf outside S)
+            elif not info.special:
+                top2 = _sparse_top2(info.rows, info.vals, N)  # no pass over [N, V]
             else:
                 top2 = logits.float().topk(min(2, self.vocab_size), dim=1).values
             if top2.shape[1] == 2:
                 gap = top2[:, 0] - top2[:, 1]
-                # a stock head that rounds to out_dtype could order these two differently
-                tol = top2[:, 0].abs() * (torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 4 * self._gam)
+                # within stock's accumulation error: a kernel that is not column-invariant could order these
+                tol = 2 * self.stock_error(Hf) + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
                 stats.near_ties += int((gap <= tol).sum())
-        return CertResult(logits=logits, stats=stats, mask=S, est=est)
+        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound)
 
     # ------------------------------------------------------ ε-softmax
     @torch.no_grad()
     def epsilon(self, H: torch.Tensor, eps: float = 1e-3, temperature: float = 1.0,
                 out_dtype: Optional[torch.dtype] = None) -> CertResult:
-        """Logits exact on S, −inf outside, with TV(softmax(ℓ/T), softmax over S) <= ε.
+        """Logits exact on S, −inf outside, with TV(softmax(ℓ/T), softmax over S) <= ε (approximate mode).
 
         With w_i = exp((U_i − τ)/T) and τ <= max_i ℓ_i, the mass outside S is at most
         R̂/(Z_S + R̂) with R̂ = Σ_{i∉S} exp(U_i/T)·e^{−τ/T} and Z_S the exact in-S sum (scaled alike).
         S is chosen from a 64-bucket histogram of w so that R̂ <= ε, then certified exactly.
         """
-        H = self._check(H)
         if not (0 < eps < 1):
             raise ValueError(f"epsilon must be in (0, 1), got {eps}")
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
         return self._run_nonfinite(H, self._epsilon, eps=eps, temperature=temperature, out_dtype=out_dtype)
 
-    def _epsilon(self, H, eps, temperature, out_dtype=None) -> CertResult:
-        out_dtype = out_dtype or torch.float32
-        N, T = H.shape[0], float(temperature)
+    def _epsilon(self, Hf, Hn, eps, temperature, out_dtype=None) -> CertResult:
+        d = out_dtype or torch.float32
+        N, T = Hf.shape[0], float(temperature)
         stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(H)
+        est, U = self.provider(Hf)
         seeds = est.argmax(1)
-        rows = torch.arange(N, device=H.device)
-        val, err = self.exact(seeds, rows, H)
+        rows = torch.arange(N, device=Hf.device)
+        val, err = self.exact(seeds, rows, Hf)
         tau = val - err
         z = (U - tau[:, None]) / T  # log w_i
         nb, width = 64, 0.5
         bucket = ((-z) / width).floor().clamp(0, nb - 1).long()  # bucket j: z in (-(j+1)w, -jw]
         w = torch.exp(z.clamp(max=80.0))
-        hist = torch.zeros(N, nb, dtype=torch.float64, device=H.device).scatter_add_(1, bucket, w.double())
+        hist = torch.zeros(N, nb, dtype=torch.float64, device=Hf.device).scatter_add_(1, bucket, w.double())
         tail = hist.flip(1).cumsum(1).flip(1)  # tail[j] = mass of buckets >= j
         ok = tail <= eps / 2
         # smallest j whose tail is within ε/2 (bucket nb-1 always includes everything below)
-        j = torch.where(ok.any(1), ok.float().argmax(1), torch.full((N,), nb, device=H.device))
+        j = torch.where(ok.any(1), ok.float().argmax(1), torch.full((N,), nb, device=Hf.device))
         S = bucket < j[:, None]
-        logits = self._candidates_to_dense(S, H, out_dtype, stats, U)
+        logits, info = self._dense(S, Hf, Hn, d, stats, U)
         # certify exactly with the final S
         out_mass = (w * (~S)).double().sum(1)
         lz = ((logits.float() - tau[:, None]) / T)
@@ -303,7 +352,7 @@ class CertifiedHead:
         bad = tv > eps
         if bad.any():  # cannot happen with sound bounds; stay correct anyway
             idx = bad.nonzero(as_tuple=True)[0]
-            logits[idx] = self.full(H[idx]).to(out_dtype)
+            logits[idx] = self._stock_rows(Hf, Hn, d)[idx]
             S[idx] = True
             stats.certified -= int(bad.sum())
             stats.fallback += int(bad.sum())
@@ -314,36 +363,138 @@ class CertifiedHead:
     # ------------------------------------------------------ exact sampling
     @torch.no_grad()
     def sample(self, H: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-               generator: Optional[torch.Generator] = None) -> CertResult:
-        """One exact draw per row from softmax(ℓ/T) (restricted to the top-k if ``top_k``).
+               generator: Optional[torch.Generator] = None, out_dtype: Optional[torch.dtype] = None,
+               post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+               warps: Optional[Sequence[tuple[str, float]]] = None) -> CertResult:
+        """One exact draw per row from stock's sampling law.
 
-        Lazy Gumbel-max: with G_i ~ Gumbel(0, 1) for all V tokens, argmax_i ℓ_i/T + G_i is an
-        exact sample. The seed s = argmax(est/T + G) is computed exactly, τ = (ℓ̂_s − err_s)/T + G_s;
-        any i with U_i/T + G_i < τ cannot be the argmax, so only S = {U_i/T + G_i >= τ} is recomputed.
+        Stock's law: the head's logits in ``out_dtype`` (bf16 for a bf16 model), then ``post`` (the
+        architecture's transform, in that dtype; monotone), then fp32, then ``warps`` in order —
+        ``("temperature", T)`` divides, ``("top_k", k)`` keeps the values >= the k-th largest —
+        then softmax. ``warps`` defaults to ``[("temperature", temperature), ("top_k", top_k)]``,
+        transformers' order.
+
+        With a top-k warp the candidate set is the certified top-k set and the row is checked: every
+        uncomputed token's warped value is strictly below the k-th (else the row uses the full head).
+        Without one, lazy Gumbel-max: any token whose warped upper bound plus its Gumbel noise is
+        below the seed's certified lower value plus noise cannot be the argmax (docs/certificates.md §4).
+        Rows with tokens == -1 (non-finite hidden states) carry the full stock row instead of a draw.
         """
-        H = self._check(H)
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
-        return self._run_nonfinite(H, self._sample, temperature=temperature, top_k=top_k, generator=generator)
+        if warps is None:
+            warps = [("temperature", float(temperature))] if temperature != 1.0 else []
+            if top_k is not None and top_k > 0:
+                warps.append(("top_k", int(top_k)))
+        warps = list(warps)
+        for kind, v in warps:
+            if kind == "temperature" and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"temperature must be positive and finite, got {v}")
+            if kind not in ("temperature", "top_k"):
+                raise ValueError(f"unknown warp {kind!r}; use 'temperature' or 'top_k'")
+        if sum(kind == "top_k" for kind, _ in warps) > 1:
+            raise ValueError("at most one top_k warp is supported")
+        return self._run_nonfinite(H, self._sample, warps=warps, generator=generator, out_dtype=out_dtype,
+                                   post=post)
 
-    def _sample(self, H, temperature, top_k=None, generator=None) -> CertResult:
-        N, T = H.shape[0], float(temperature)
-        if top_k is not None and top_k < self.vocab_size:
-            res = self._topk(H, int(top_k))
-            g = _gumbel(res.logits.shape, H.device, generator)
-            res.tokens = (res.logits.float() / T + g).argmax(1)
+    def _law(self, x: torch.Tensor, d: torch.dtype, post, warps, stop_at_topk: bool = False,
+             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 values of d-representable logits ``x`` after post (in d) and the warps, as stock computes
+        them; entries outside ``mask`` (uncomputed) are -inf from the start."""
+        y = x.to(d)
+        if post is not None:
+            y = post(y)
+        y = y.float()
+        if mask is not None:
+            y = y.masked_fill(~mask, float("-inf"))
+        for kind, v in warps:
+            if kind == "temperature":
+                y = y / v
+            elif stop_at_topk:
+                break
+            else:
+                k = min(int(v), y.shape[-1])
+                kth = y.topk(k, dim=-1).values[..., -1:]
+                y = y.masked_fill(y < kth, float("-inf"))
+        return y
+
+    def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None) -> CertResult:
+        d = out_dtype or torch.float32
+        N, V = Hf.shape[0], self.vocab_size
+        ks = [int(v) for kind, v in warps if kind == "top_k" and int(v) < V]
+        warps = [(kind, v) for kind, v in warps if kind != "top_k" or int(v) < V]  # top-k >= V keeps all
+        if ks:
+            res = self._topk(Hf, Hn, ks[0], d)
+            S, bound = res.mask, res.bound
+            before = self._law(res.logits, d, post, warps, stop_at_topk=True, mask=S)
+            ob = self._law(bound[:, None], d, post, warps, stop_at_topk=True)[:, 0]
+            kth = before.topk(min(ks[0], V), dim=1).values[:, -1]
+            bad = ~(ob < kth) & (bound > float("-inf"))  # an uncomputed token could reach the top-k
+            if bool(bad.any()):
+                idx = bad.nonzero(as_tuple=True)[0]
+                res.logits[idx] = self._stock_rows(Hf, Hn, d)[idx]
+                S[idx] = True
+                res.bound[idx] = float("-inf")
+                res.stats.certified -= len(idx)
+                res.stats.fallback += len(idx)
+            law = self._law(res.logits, d, post, warps, mask=S)
+            res.tokens = (law + _gumbel(law.shape, Hf.device, generator)).argmax(1)
             return res
-        stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(H)
-        g = _gumbel(U.shape, H.device, generator)
-        seeds = (est / T + g).argmax(1)
-        rows = torch.arange(N, device=H.device)
-        val, err = self.exact(seeds, rows, H)
-        tau = (val - err) / T + g[rows, seeds]
-        S = (U / T + g) >= tau[:, None]
-        logits = self._candidates_to_dense(S, H, torch.float32, stats, U)
-        tokens = (logits / T + g).argmax(1)
-        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S)
+        stats = CertStats(vocab_size=V)
+        est, U = self.provider(Hf)
+        g = _gumbel(U.shape, Hf.device, generator)
+        heur = est
+        for kind, v in warps:
+            heur = heur / v
+        seeds = (heur + g).argmax(1)
+        rows = torch.arange(N, device=Hf.device)
+        lo = self._stock_lower(seeds, rows, Hf)
+        lo_law = self._law(lo[:, None], d, post, warps)[:, 0]
+        t = lo_law + g[rows, seeds]
+        upper = self._law(U + self.stock_error(Hf)[:, None], d, post, warps)
+        S = (upper + g) >= t[:, None]
+        logits, info = self._dense(S, Hf, Hn, d, stats, U)
+        law = self._law(logits, d, post, warps, mask=S)
+        tokens = (law + g).argmax(1)
+        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,
+                          bound=torch.full((N,), float("-inf"), device=Hf.device))
+
+
+@dataclass
+class _Dense:
+    rows: torch.Tensor  # row of each sparse candidate value (special rows excluded)
+    vals: torch.Tensor  # their fp32 values
+    special: bool  # some row was computed densely (big or over budget)
+    over: torch.Tensor  # bool [N]: rows over the budget (full head)
+    complete: torch.Tensor  # bool [N]: rows that hold every token (S = V)
+
+
+def _down(x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """x moved n fp32 ulps toward -inf (covers the rounding of the op that produced x)."""
+    for _ in range(n):
+        x = torch.nextafter(x, torch.full_like(x, float("-inf")))
+    return x
+
+
+def _cut(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threshold t and bound b per row such that any token with upper bound U_i < t has a stock
+    logit (rounded to d) <= b < round_d(lo), where lo <= stock's fp32 accumulator of the seeds.
+
+    U_i < t <= edge − E gives x_i <= ℓ_i + E <= U_i + E < edge; in fp32, edge = lo, so x_i <= pred(lo);
+    in d, edge is the midpoint between round_d(lo) and its predecessor p, so round-to-nearest gives
+    round_d(x_i) <= p (a value exactly at the midpoint is excluded by the strict '<').
+    """
+    if d == torch.float32:
+        edge = lo
+        b = torch.nextafter(lo, torch.full_like(lo, float("-inf")))
+    else:
+        r = lo.to(d)
+        p = torch.nextafter(r, torch.full_like(r, float("-inf")))
+        edge = (p.float() + r.float()) / 2  # exact in fp32 (d has at most 11 significand bits)
+        b = p.float()
+    t = _down(edge - E, 2)
+    ok = torch.isfinite(t) & torch.isfinite(b)
+    return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
 
 
 def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor:

@@ -27,13 +27,15 @@ class CSVConfig:
 
     Args:
         mode: ``"auto"`` (default) picks the strongest *exact* certificate the call allows
-            (greedy/beam -> certified top-k, sampling -> exact lazy-Gumbel draw) and the full head
-            otherwise. ``"topk"`` / ``"sample"`` request that certificate (still falling back to
-            the full head, with a logged reason, when the processors in play make it unsound).
-            ``"epsilon"`` additionally allows the *approximate* ε-softmax certificate
-            (TV <= ``epsilon`` before normalizing warpers) for top-p / min-p / typical sampling.
+            (greedy -> certified top-1, sampling with temperature / top-k -> exact draw from stock's
+            law) and the full head otherwise. ``"topk"`` / ``"sample"`` request that certificate (still
+            falling back to the full head, with a logged reason, when the call makes it unsound).
+            ``"epsilon"`` is the only *approximate* mode: it additionally allows the ε-softmax
+            certificate (TV <= ``epsilon`` before normalizing warpers) for top-p / min-p / typical
+            sampling, and the ``beam_epsilon`` certificate for beam search.
         epsilon: the TV bound of the ε-softmax certificate (``mode="epsilon"`` only), in (0, 1).
-        beam_epsilon: TV bound used for beam search, whose log-softmax needs the normalizer:
+        beam_epsilon: TV bound used for beam search under ``mode="epsilon"`` only (other modes run
+            beam search on the full head), whose log-softmax needs the normalizer:
             the beam log-probs differ from stock by at most -log(1-beam_epsilon) ≈ beam_epsilon.
         provider: bound provider, ``"screen"`` (certified int8 screen; needs no index) or
             ``"cluster"`` (needs ``index``).
@@ -59,6 +61,10 @@ class CSVConfig:
             ranks agree on the certified top-k with O(k) collectives (docs/distributed.md). A head
             that a tensor-parallel plan already sharded by vocabulary is used as sharded, whatever
             this field says. ``None``: every rank runs the whole certified head.
+        scores: what ``output_scores=True`` returns: ``"stock"`` (default; the call uses the full head so
+            that ``scores`` and ``compute_transition_scores`` are stock's) or ``"subvocab"`` (opt-in: the
+            certified processed scores on the sub-vocabulary, ``-inf`` elsewhere — not log-probabilities
+            over V; greedy ``argmax`` of each row is still stock's token).
         screen_quant: storage of the screen's rows: ``"int8"`` (default; fbgemm fast path on CPU) or
             ``"fp8"`` (e4m3, per-row scaled; Triton on CUDA, weight-only reference on CPU).
     """
@@ -77,6 +83,7 @@ class CSVConfig:
     draft_top_k: int = 64
     vocab_parallel: Optional[str] = None
     screen_quant: str = "int8"
+    scores: str = "stock"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,6 +124,8 @@ class CSVConfig:
                              f"got {self.vocab_parallel!r}")
         if self.screen_quant not in ("int8", "fp8"):
             raise ValueError(f"CSVConfig.screen_quant must be 'int8' or 'fp8', got {self.screen_quant!r}")
+        if self.scores not in ("stock", "subvocab"):
+            raise ValueError(f"CSVConfig.scores must be 'stock' or 'subvocab', got {self.scores!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
 

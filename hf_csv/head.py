@@ -30,6 +30,7 @@ from torch import nn
 from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
+from .posthead import PostHead, check_output
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,12 @@ class StepStash:
     at index ``fed_total - (P - 1 - p)``, which is how the processor finds its row.
     """
 
-    H: torch.Tensor  # [B, P, d] hidden states (views, not copies)
-    logits: torch.Tensor  # [B, P, V] the dense certified logits returned (model dtype, before softcap)
+    H: torch.Tensor  # [B, P, d] hidden states (views, not copies), in the model dtype
+    logits: torch.Tensor  # [B, P, V] the dense certified logits returned (model dtype, before the post map)
     mask: Optional[torch.Tensor]  # [B, P, V] bool: certified S (all True on fallback rows)
     fed_total: Optional[int] = None
+    # [B, P] every token outside S has a stock logit (model dtype, before the post map) <= bound
+    bound: Optional[torch.Tensor] = None
 
     def position(self, input_len: int) -> int:
         """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
@@ -80,17 +83,21 @@ class CSVSession:
     config: CSVConfig
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
-    softcap: Optional[float] = None
-    mode: str = "full"  # full | topk | beam | sample | epsilon (set by generation.decide_mode)
+    post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
+    mode: str = "full"  # full | topk | beam | sample | epsilon (set by policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
     top_k: Optional[int] = None
+    warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
     verify: bool = False  # a CSVLogitsProcessor must check the certificate after other processors
     reasons: list = field(default_factory=list)
     stats: CertStats = field(default_factory=CertStats)
     head_calls: int = 0
     full_calls: int = 0
+    declined_rows: int = 0  # rows computed by the full head because the call was declined (see reasons)
     verify_reruns: int = 0
+    post_checked: bool = False  # the run-time guard of the post-head map ran for this call
+    last_out: Optional[torch.Tensor] = None  # what the head returned last (for the guard)
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
     last: Optional[StepStash] = None
@@ -115,7 +122,8 @@ class CSVSession:
     def summary(self) -> dict:
         d = self.stats.as_dict() if self.stats.rows else {"rows": 0}
         d.update(mode=self.mode, reasons=list(self.reasons), head_calls=self.head_calls,
-                 full_head_calls=self.full_calls, verify_reruns=self.verify_reruns)
+                 full_head_calls=self.full_calls, declined_rows=self.declined_rows,
+                 verify_reruns=self.verify_reruns)
         d.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
         return d
 
@@ -148,9 +156,24 @@ def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
     raise CSVError(f"{type(model).__name__} has no lm_head/proj_out output head that hf_csv supports")
 
 
-def _weight_key(w: torch.Tensor) -> tuple:
-    local = w.to_local() if hasattr(w, "to_local") else w  # DTensor (tensor parallel): its local shard
-    return (local.data_ptr(), tuple(w.shape))
+def _weight_key(head: nn.Linear) -> tuple:
+    """What must be unchanged for a cached screen to stay valid: storage, shape, dtype and the tensors'
+    version counters (bumped by every in-place write: ``optimizer.step()``, ``load_state_dict``,
+    ``copy_``). Writes through ``.data`` bypass version counters: call :func:`hf_csv.refresh` then."""
+    key = []
+    for w in (head.weight, head.bias):
+        if w is None:
+            key.append(None)
+            continue
+        local = w.to_local() if hasattr(w, "to_local") else w  # DTensor (tensor parallel): its local shard
+        key.append((local.data_ptr(), tuple(w.shape), w.dtype, local._version))
+    return tuple(key)
+
+
+def forget_heads(head: nn.Module) -> None:
+    """Drop the cached certified heads (screens) of ``head``: the next call rebuilds them."""
+    with _LOCK:
+        _HEADS.pop(head, None)
 
 
 def get_certified_head(head: nn.Linear, config: CSVConfig):
@@ -161,15 +184,18 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
     with _LOCK:
         per = _HEADS.setdefault(head, {})
         ch = per.get(key)
-        # the cache is keyed on the module; a changed weight tensor (e.g. reloaded) invalidates it
-        if ch is None or getattr(ch, "_src_key", None) != _weight_key(head.weight):
+        # the cache is keyed on the module; a changed or updated weight tensor invalidates it
+        if ch is None or getattr(ch, "_src_key", None) != _weight_key(head):
             index = config.index
-            if isinstance(index, str) and config.revision is not None:
+            if index is not None and not hasattr(index, "check_head"):
                 from .index import VocabIndex
 
                 index = VocabIndex.from_pretrained(index, revision=config.revision)
             from .distributed import local_shard_of
 
+            if index is not None and local_shard_of(head.weight) is None:
+                # any index given must be the one built for this head, whatever the provider
+                index.check_head(head.weight.detach(), None if head.bias is None else head.bias.detach())
             if config.vocab_parallel is not None or local_shard_of(head.weight) is not None:
                 ch = _vocab_parallel_head(head, config, index)
             else:
@@ -177,7 +203,7 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
                                    budget=config.budget,
                                    **({"num_outliers": config.num_outliers, "quant": config.screen_quant}
                                       if config.provider == "screen" else {}))
-            ch._src_key = _weight_key(head.weight)
+            ch._src_key = _weight_key(head)
             per[key] = ch
     return ch
 
@@ -243,8 +269,10 @@ class CSVHead(nn.Module):
             # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
             # the processor could not find its row, so this call uses the full head)
             sess.full_calls += 1
+            sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
             if sess.verify:
                 sess.last = None
+            sess.last_out = None
             return self.inner(hidden)
         lead, d = hidden.shape[:-1], hidden.shape[-1]
         H = hidden.reshape(-1, d)
@@ -262,19 +290,35 @@ class CSVHead(nn.Module):
             res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
             out = res.logits
         elif mode == "sample":
-            res = ch.sample(H, temperature=sess.temperature, top_k=sess.top_k)
+            post = None if sess.post is None or sess.post.identity else sess.post.apply
+            res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps)
             out = _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
         else:  # pragma: no cover - decide_mode only sets the modes above
             raise CSVError(f"unknown hf_csv mode {mode!r}")
         if sess.config.stats:
             sess.stats.merge(res.stats)
         out = out.view(*lead, out.shape[-1])
+        sess.last_out = out
         if sess.verify:
             B, P = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (H.shape[0], 1)
             V = out.shape[-1]
-            sess.last = StepStash(H=H.view(B, P, d), logits=out.reshape(B, P, V), mask=res.mask.view(B, P, V),
-                                  fed_total=sess.fed_total)
+            bound = None if res.bound is None else res.bound.view(B, P)
+            sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
+                                  mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound)
         return out
+
+
+def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:
+    """Run-time guard (once per call): the model returned ``post(head output)`` as registered in
+    :mod:`hf_csv.posthead`. A model whose code does something else raises instead of decoding on."""
+    out = sess.last_out
+    if sess.post_checked or out is None or model_logits is None or sess.post is None:
+        return
+    sess.post_checked = True
+    if not check_output(sess.post, out, model_logits):
+        raise CSVError(f"hf_csv: {type(sess.model).__name__} returned logits that are not "
+                       f"{sess.post.describe()!r} of its head's output; its post-head transform is not the one "
+                       "hf_csv proved. Please report this; generate without csv_config meanwhile.")
 
 
 def _fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -355,11 +399,3 @@ def swapped_head(model: nn.Module, session: CSVSession) -> Iterator[CSVSession]:
 
 def model_out_dtype(model: nn.Module, head: nn.Linear) -> torch.dtype:
     return head.weight.dtype if head.weight.is_floating_point() else torch.float32
-
-
-def model_softcap(model: nn.Module) -> Optional[float]:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(text, "final_logit_softcapping", None)

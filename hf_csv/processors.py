@@ -1,24 +1,28 @@
 """``CSVLogitsProcessor``: checks the sub-vocabulary certificate *after* the other processors.
 
-Why it is needed: the head certifies the top-k (or the ε-mass) of the *raw* logits. A processor
-that lowers particular tokens (repetition penalty, suppress tokens, bad words, min-length, ...)
-can push a certified token below tokens that were never computed (they hold -inf). Such
-processors only lower scores, so every token outside S still satisfies
-``processed_i <= raw_i <= ob`` where ``ob`` is the certificate's bound on uncomputed logits:
+Why it is needed: the head certifies the top-k of the head's raw logits. Between the head and the
+token choice stand the architecture's post-head map (Cohere's scale, Gemma-2's softcap: rounding in
+the model dtype can merge values into ties) and the logits processors; a processor that lowers
+particular tokens (repetition penalty, suppress tokens, bad words, min-length, ...) can push a
+certified token below tokens that were never computed. Every such step is monotone on the tokens it
+does not lower, so each uncomputed token's final score is at most
 
-* top-k certificate: ``ob`` = the k-th largest exact logit in S (S = {U_i >= τ}, τ <= that value);
-* beam (ε-certificate, T = 1): ``ob`` = max log-prob in S + ln(ε/2) (each uncomputed token's
-  upper bound carries at most ε/2 of the mass relative to the top).
+    ob = order_processors(post(bound))
 
-So if the k-th largest *processed* score exceeds ``ob`` the selected tokens are provably the
-stock ones. Rows that fail are recomputed with the full head and all preceding processors are
-re-run on the batch (counted as ``verify_reruns``), so the output is always certified.
+where ``bound`` is the head's per-row bound on uncomputed raw logits (``CertResult.bound``). If the
+k-th largest final score is *strictly* above ``ob`` the selected tokens are provably stock's (strict,
+because argmax breaks ties toward the lowest index, which may be an uncomputed token). Rows that
+fail are recomputed with the stock head and all preceding processors are re-run on the batch
+(counted as ``verify_reruns``), so the output is always stock's.
+
+Beam search (``mode="epsilon"`` only, approximate): ``ob`` = max log-prob in S + ln(ε/2).
 
 Standalone use (``logits_processor=[CSVLogitsProcessor()]`` without a ``csv_config``) is the
 identity; with ``record=True`` it keeps one record per step of what was verified.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Optional
 
@@ -26,9 +30,14 @@ import torch
 from transformers import LogitsProcessor
 
 from .errors import CSVError
-from .head import CSVSession, StepStash
+from .head import CSVSession
+from .policy import classify_processor
 
 __all__ = ["CSVLogitsProcessor"]
+
+# id(processor) -> session, per context: a processor instance reused by concurrent calls (threads)
+# sees the session of its own call
+_BOUND: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_csv_bound_processors", default={})
 
 
 class CSVLogitsProcessor(LogitsProcessor):
@@ -38,16 +47,22 @@ class CSVLogitsProcessor(LogitsProcessor):
         record: keep ``self.records`` (one dict per step: rows, rows re-run with the full head).
     """
 
-    csv_kind = "csv"  # how hf_csv.generation classifies it: its own processor, always safe
+    csv_kind = "csv"  # how hf_csv.policy classifies it: its own processor, always safe
 
     def __init__(self, record: bool = False):
         self.record = record
         self.records: list = []
-        self.session: Optional[CSVSession] = None  # bound by hf_csv.generation for one call
 
     def bind(self, session: Optional[CSVSession]) -> "CSVLogitsProcessor":
-        self.session = session
+        """Bind to ``session`` in the calling context (the ``generate`` call that built the list)."""
+        bound = dict(_BOUND.get())
+        bound[id(self)] = session
+        _BOUND.set(bound)
         return self
+
+    @property
+    def session(self) -> Optional[CSVSession]:
+        return _BOUND.get().get(id(self))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -60,46 +75,55 @@ class CSVLogitsProcessor(LogitsProcessor):
         if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
             raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
         p = last.position(input_ids.shape[1])
-        st = StepStash(H=last.H[:, p], logits=last.logits[:, p], mask=last.mask[:, p])
-        raw = st.logits.float()
+        raw = last.logits[:, p]
         k = min(sess.k, raw.shape[1])
         if sess.draft and k > 1:
             # a sampled draft may use any distribution it returns; it only needs a finite row
             bad = ~torch.isfinite(scores.amax(1).float())
-            return self._rerun(input_ids, scores, sess, st, raw, bad)
+            return self._rerun(input_ids, scores, sess, last, p, bad)
         if sess.mode == "topk":
-            # k-th largest (a max for greedy: ~10x cheaper than topk over V)
-            ob = raw.amax(1) if k == 1 else raw.topk(k, dim=1).values[:, -1]
-            if sess.softcap:
-                ob = torch.tanh(ob / sess.softcap) * sess.softcap
-        else:  # beam: bound in log-prob space
-            ob = raw.amax(1) - torch.logsumexp(raw, 1) + math.log(sess.config.beam_epsilon / 2)
-        # rows that fell back already hold the full head: nothing outside S
-        ob = torch.where(st.mask.all(1), torch.full_like(ob, float("-inf")), ob)
-        kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
-        # top-k: uncomputed tokens are < τ <= ob, so equality is still certified; beam: <= ob
-        bad = ~(kth >= ob) if sess.mode == "topk" else ~(kth > ob)
-        return self._rerun(input_ids, scores, sess, st, raw, bad)
+            bound = last.bound[:, p]
+            ob = bound.to(raw.dtype)
+            if sess.post is not None and not sess.post.identity:
+                ob = sess.post.apply(ob)
+            ob = ob.float()[:, None]
+            for proc in sess.processors or ():
+                if proc is self:
+                    break
+                if classify_processor(proc) == "order":  # e.g. temperature: the same increasing map on all
+                    ob = proc(input_ids, ob)
+            ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
+            kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
+            bad = ~(kth > ob)
+        else:  # beam, ε-certificate (mode="epsilon"): bound in log-prob space
+            r = raw.float()
+            ob = r.amax(1) - torch.logsumexp(r, 1) + math.log(sess.config.beam_epsilon / 2)
+            ob = torch.where(last.mask[:, p].all(1), torch.full_like(ob, float("-inf")), ob)
+            kth = scores.float().topk(k, dim=1).values[:, -1]
+            bad = ~(kth > ob)
+        return self._rerun(input_ids, scores, sess, last, p, bad)
 
-    def _rerun(self, input_ids, scores, sess, st, raw, bad):
-        """Recompute the ``bad`` rows with the full head and re-run the preceding processors."""
+    def _rerun(self, input_ids, scores, sess, last, p, bad):
+        """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
         nbad = int(bad.sum())
         if self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": nbad})
         if nbad == 0:
             return scores
         sess.verify_reruns += nbad
-        raw = raw.clone()  # the stash views the model's output logits: never write into them
+        B, P, d = last.H.shape
+        raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
         idx = bad.nonzero(as_tuple=True)[0]
-        full = sess.head.full(st.H[idx]).to(st.logits.dtype).float()
-        if sess.softcap:
-            full = torch.tanh(full / sess.softcap) * sess.softcap
-        if sess.softcap:
-            raw = torch.tanh(raw / sess.softcap) * sess.softcap
-        raw[idx] = full
-        new = torch.log_softmax(raw, dim=-1) if sess.mode == "beam" else raw
-        for p in sess.processors or ():
-            if p is self:
+        # stock's values: its GEMM over all B·P rows (a GEMM on fewer rows may round differently)
+        full = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
+        raw[idx] = full[idx].to(raw.dtype)
+        if sess.post is not None and not sess.post.identity:
+            raw = sess.post.apply(raw)
+        new = raw.float()
+        if sess.mode == "beam":
+            new = torch.log_softmax(new, dim=-1)
+        for proc in sess.processors or ():
+            if proc is self:
                 break
-            new = p(input_ids, new)
+            new = proc(input_ids, new)
         return new

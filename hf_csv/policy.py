@@ -1,0 +1,263 @@
+"""Which certificate a ``generate`` call gets: the classification of processors and stopping
+criteria, and the mode decision (no patching here; :mod:`hf_csv.scope` calls it).
+
+Everything that cannot be proven exact goes to the full head with a logged reason
+(docs/processors.md has the table). Approximation is reserved for ``CSVConfig(mode="epsilon")``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from .head import CSVSession
+
+__all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
+           "whisper_log_prob_reason"]
+
+# How each stock processor relates to the certificate (docs/processors.md has the table).
+#   order: the same increasing map on every token (commutes with any certificate)
+#   topk:  keeps the K largest (exact with a top-K certificate, K known)
+#   lower: lowers (or sets to constants) particular tokens; commutes with top-k after a check
+#   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
+#   full:  may raise uncomputed tokens or reads all logits: full head
+_KIND = {
+    "TemperatureLogitsWarper": "order",
+    "InfNanRemoveLogitsProcessor": "order",
+    "TopKLogitsWarper": "topk",
+    "MinLengthLogitsProcessor": "lower",
+    "MinNewTokensLengthLogitsProcessor": "lower",
+    "NoRepeatNGramLogitsProcessor": "lower",
+    "EncoderNoRepeatNGramLogitsProcessor": "lower",
+    "NoBadWordsLogitsProcessor": "lower",
+    "PrefixConstrainedLogitsProcessor": "lower",
+    "ForcedBOSTokenLogitsProcessor": "lower",
+    "ForcedEOSTokenLogitsProcessor": "lower",
+    "SuppressTokensLogitsProcessor": "lower",
+    "SuppressTokensAtBeginLogitsProcessor": "lower",
+    "HammingDiversityLogitsProcessor": "lower",
+    "LogitNormalization": "norm",
+    "TopPLogitsWarper": "norm",
+    "TopHLogitsWarper": "norm",
+    "MinPLogitsWarper": "norm",
+    "TypicalLogitsWarper": "norm",
+    "EpsilonLogitsWarper": "norm",
+    "EtaLogitsWarper": "norm",
+    "EncoderRepetitionPenaltyLogitsProcessor": "full",
+    "ExponentialDecayLengthPenalty": "full",
+    "ClassifierFreeGuidanceLogitsProcessor": "full",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "full",
+    "WatermarkLogitsProcessor": "full",
+    "SynthIDTextWatermarkLogitsProcessor": "full",
+    "WhisperTimeStampLogitsProcessor": "full",
+    "WhisperNoSpeechDetection": "full",
+    "BarkEosPrioritizerLogitsProcessor": "full",
+    "AlternatingCodebooksLogitsProcessor": "full",
+}
+
+# Stock stopping criteria that never read ``scores`` (transformers 5.23): safe with any certificate.
+_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
+
+# Whisper settings that read log-probabilities over the whole vocabulary (temperature fallback,
+# no-speech detection) or the timestamp logsumexp
+_WHISPER_LOGPROB_KEYS = ("logprob_threshold", "no_speech_threshold", "return_token_timestamps", "return_timestamps")
+
+
+def classify_processor(p: Any) -> str:
+    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``full`` | ``csv`` for one logits processor.
+
+    Custom processors may declare ``csv_kind`` (one of the above) to opt in; unknown ones are
+    ``full`` (they might raise an uncomputed token).
+    """
+    kind = getattr(p, "csv_kind", None)
+    if kind in ("order", "topk", "lower", "norm", "full", "csv"):
+        return kind
+    name = type(p).__name__
+    if name == "RepetitionPenaltyLogitsProcessor":
+        # penalty >= 1 lowers the scores of seen tokens; < 1 raises them
+        return "lower" if float(getattr(p, "penalty", 1.0)) >= 1.0 else "full"
+    if name == "SequenceBiasLogitsProcessor":
+        bias = getattr(p, "sequence_bias", None) or {}
+        vals = bias.values() if isinstance(bias, dict) else [v for _, v in bias]
+        return "lower" if all(float(v) <= 0 for v in vals) else "full"
+    if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
+        return "full"  # a finite filter value leaves the filtered tokens some mass
+    return _KIND.get(name, "full")
+
+
+def classify_stopping_criterion(c: Any) -> str:
+    """``safe`` (never reads ``scores``) or ``full`` (may read them: the call uses the full head).
+
+    A custom criterion can declare ``csv_safe = True`` (a promise that it ignores ``scores``).
+    ``ConfidenceCriteria`` (assisted drafting) reads the drafted token's probability; the draft head
+    provides it (hf_csv.candidate), so it is safe only inside a draft session.
+    """
+    if getattr(c, "csv_safe", False) is True:
+        return "safe"
+    return "safe" if type(c).__name__ in _SAFE_CRITERIA else "full"
+
+
+def check_stopping_criteria(session: CSVSession, criteria: Any) -> None:
+    """Send the call to the full head if a stopping criterion may read the (sub-vocabulary) scores."""
+    unsafe = [type(c).__name__ for c in criteria or ()
+              if classify_stopping_criterion(c) == "full"
+              and not (session.draft and type(c).__name__ == "ConfidenceCriteria")]
+    if unsafe and session.mode != "full":
+        session.set_full(f"stopping criteria that may read the scores: {unsafe} (declare csv_safe = True on a "
+                         "custom criterion that ignores them)")
+
+
+def whisper_log_prob_reason(*configs: Any, kwargs: Optional[dict] = None) -> Optional[str]:
+    """A reason when Whisper's thresholds or timestamps are set, in kwargs or on any generation config."""
+    for key in _WHISPER_LOGPROB_KEYS:
+        vals = [(kwargs or {}).get(key)] + [getattr(c, key, None) for c in configs if c is not None]
+        if any(v not in (None, False) for v in vals):
+            return f"Whisper's {key} reads log-probabilities over the full vocabulary"
+    return None
+
+
+def decide_mode(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
+    """Pick the certificate for this decoding call from the generation config and processors.
+
+    Sets ``session.mode`` (``topk`` / ``beam`` / ``sample`` / ``epsilon`` / ``full``), ``k``,
+    ``warps`` and ``verify``; every fallback to the full head logs its reason.
+    """
+    gc = generation_config
+    cfg = session.config
+    session.reasons.clear()
+    session.verify = False
+    if session.force_full:
+        session.set_full(session.force_full)
+        return session
+    if session.post is None:
+        session.set_full(session.extra.get("_post_reason", "unknown post-head transform"))
+        return session
+    if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_logits", False):
+        session.set_full("output_logits=True: the raw logits must be the full head's")
+        return session
+    if (getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False)
+            and cfg.scores != "subvocab" and not session.draft):
+        session.set_full("output_scores=True: stock's scores need every logit (CSVConfig(scores='subvocab') returns "
+                         "the certified sub-vocabulary scores instead, -inf elsewhere)")
+        return session
+    reason = whisper_log_prob_reason(gc)
+    if reason:
+        session.set_full(reason)
+        return session
+    if getattr(gc, "watermarking_config", None) is not None:
+        session.set_full("watermarking reads every logit")
+        return session
+    gs = getattr(gc, "guidance_scale", None)
+    if gs is not None and gs != 1:
+        session.set_full("classifier-free guidance mixes two heads' logits")
+        return session
+    kinds: dict = {}
+    for p in processors:
+        kinds.setdefault(classify_processor(p), []).append(type(p).__name__)
+    if "full" in kinds:
+        session.set_full(f"processors that can raise uncomputed scores or read all logits: {kinds['full']}")
+        return session
+    num_beams = int(getattr(gc, "num_beams", 1) or 1)
+    do_sample = bool(getattr(gc, "do_sample", False))
+    temperature, top_k, warps = 1.0, None, []
+    for p in processors:
+        if type(p).__name__ == "TemperatureLogitsWarper":
+            temperature *= float(p.temperature)
+            warps.append(("temperature", float(p.temperature)))
+        elif classify_processor(p) == "topk":
+            k = int(p.top_k)
+            top_k = k if top_k is None else min(top_k, k)
+            warps.append(("top_k", k))
+    session.temperature, session.top_k, session.warps = temperature, top_k, warps
+    lower = "lower" in kinds
+    norm = "norm" in kinds
+    post = session.post
+    if (session.assisted or session.draft) and getattr(gc, "assistant_ensemble_weight", None) is not None:
+        session.set_full("assistant_ensemble_weight mixes the target's and the draft's softmax over the full "
+                         "vocabulary")
+        return session
+    if session.draft:
+        return _decide_draft(session, gc, kinds, do_sample, top_k)
+    if session.assisted and do_sample:
+        session.set_full("assisted sampling (speculative sampling) needs the full target distribution")
+        return session
+    if not do_sample and num_beams == 1:
+        if norm:
+            # log-softmax renormalization shifts every score by a normalizer only the full head knows
+            session.set_full(f"greedy with normalizing processors {kinds['norm']}")
+            return session
+        # greedy: argmax of processed scores. The post map and lowering processors need the per-row
+        # check (rounding in the post map can tie an uncomputed token with the winner).
+        session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
+        return session
+    if not do_sample and num_beams > 1:
+        if cfg.mode != "epsilon":
+            session.set_full("beam search's log_softmax needs the normalizer over all of V; "
+                             "CSVConfig(mode='epsilon') allows the approximate beam_epsilon certificate")
+            return session
+        if norm and kinds["norm"] != ["LogitNormalization"]:
+            session.set_full(f"beam search with normalizing processors {kinds['norm']}")
+            return session
+        if not post.identity:
+            session.set_full(f"beam search after a post-head transform ({post.describe()})")
+            return session
+        # ε-certificate (approximate); the top-2·num_beams of every row is then checked
+        session.mode, session.k, session.verify = "beam", 2 * num_beams, True
+        return session
+    if num_beams > 1:
+        session.set_full("beam sampling is not certified")
+        return session
+    # multinomial sampling
+    if not post.keeps_neg_inf:
+        session.set_full(f"sampling after {post.describe()}: the map turns uncomputed -inf logits into finite "
+                         "scores that keep probability")
+        return session
+    if lower:
+        session.set_full(f"sampling with token-specific processors {kinds['lower']} (they must act "
+                         "before the draw)")
+        return session
+    if norm:
+        if cfg.mode == "epsilon" and post.identity:
+            session.mode = "epsilon"
+            return session
+        session.set_full(f"normalizing warpers {kinds['norm']} need the whole distribution "
+                         "(CSVConfig(mode='epsilon') allows TV <= epsilon)")
+        return session
+    if sum(kind == "top_k" for kind, _ in warps) > 1:
+        session.set_full("several top-k warpers")
+        return session
+    if cfg.mode == "topk" and top_k is not None:
+        # exact top-K values; the stock warpers and sampler act on them; the check proves the top-K
+        session.mode, session.k, session.verify = "topk", top_k, True
+        return session
+    session.mode = "sample"
+    return session
+
+
+def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int]) -> CSVSession:
+    """The assistant's head inside assisted generation (hf_csv.candidate).
+
+    Greedy drafts: certified top-1, so the drafted tokens are the stock draft's (plus the tail
+    fill for the confidence stop). Sampled drafts: exact logits on a certified top-k set, -inf
+    elsewhere; the draft samples from exactly the logits it returns as candidate logits, which is
+    all speculative sampling needs to stay lossless (the target's verification is exact).
+    """
+    cfg = session.config
+    lower = "lower" in kinds
+    post = session.post
+    if not do_sample:
+        if "norm" in kinds:
+            session.set_full(f"greedy draft with normalizing processors {kinds['norm']}")
+            return session
+        session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
+        thr = getattr(gc, "assistant_confidence_threshold", None)
+        session.fill_tail = bool(thr) and not lower and post.identity
+        return session
+    if not post.keeps_neg_inf:
+        session.set_full(f"sampled draft after {post.describe()}")
+        return session
+    # token-specific processors (min-length, bad words, ...) may lower tokens of S: the draft then
+    # samples from what they leave, which is still what it returns; CSVLogitsProcessor only
+    # re-runs a row with the full head if they leave nothing finite in it.
+    k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
+    session.mode, session.k, session.verify = "topk", k, lower
+    return session

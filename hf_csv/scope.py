@@ -1,0 +1,184 @@
+"""Scoped, restoring patches that make one certified call active on one model.
+
+* :func:`instance_override` — an instance-level override of a ``generate`` helper, reference-counted
+  per (model, name) so concurrent or nested scopes share it; removed by the last exit, also after
+  an exception. Overrides consult the calling context (:func:`hf_csv.head.active_session`), so a
+  stock call running in another thread at the same time is unaffected.
+* :func:`certified` — the head swap plus the ``_get_logits_processor`` / ``_get_stopping_criteria``
+  overrides (mode decision) and one pair of forward hooks per model that act on the session of the
+  calling context: the pre-hook records how many tokens the forward consumes (per-position
+  processor checks in assisted decoding), the post-hook runs the post-head guard.
+* :func:`new_session` — a session for a model and config (head from the cache, dtype, post map).
+
+Per-call state lives in the :class:`~hf_csv.head.CSVSession` of the call, never on shared objects.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .config import CSVConfig
+from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
+                   swapped_head)
+from .policy import check_stopping_criteria, decide_mode
+from .posthead import post_head_of
+from .processors import CSVLogitsProcessor
+
+__all__ = ["instance_override", "certified", "new_session"]
+
+_LOCK = threading.RLock()
+_OVERRIDES: dict[tuple, list] = {}  # (id(model), attribute) -> [refcount]
+_HOOKS: dict[int, list] = {}  # id(model) -> [pre handle, post handle, refcount]
+
+
+def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
+    """A session of ``config`` on ``model``: the cached certified head, the model dtype and the
+    architecture's post-head map (unknown map or offloaded head: the call is declined, with a reason)."""
+    _, head = find_head(model)
+    offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
+    post, why = post_head_of(model)
+    sess = CSVSession(model=model, config=config, head=None if offloaded or post is None else
+                      get_certified_head(head, config), out_dtype=model_out_dtype(model, head), post=post)
+    if offloaded:
+        sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
+                           "loaded only inside accelerate's hook")
+    elif post is None:
+        sess.force_full = why
+    return sess
+
+
+@contextlib.contextmanager
+def instance_override(model: nn.Module, name: str, make: Callable[[Callable], Callable]):
+    """Scoped instance-level override ``model.<name> = make(class method bound to model)``."""
+    key = (id(model), name)
+    with _LOCK:
+        entry = _OVERRIDES.get(key)
+        if entry is None:
+            entry = [0]
+            _OVERRIDES[key] = entry
+            model.__dict__[name] = make(getattr(type(model), name).__get__(model))
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                model.__dict__.pop(name, None)
+                del _OVERRIDES[key]
+
+
+@contextlib.contextmanager
+def _hooks(model: nn.Module):
+    """One pre/post forward hook pair per model while any session is active on it (reference-counted)."""
+    key = id(model)
+    with _LOCK:
+        entry = _HOOKS.get(key)
+        if entry is None:
+            entry = [model.register_forward_pre_hook(_track_length, with_kwargs=True),
+                     model.register_forward_hook(_check_post), 0]
+            _HOOKS[key] = entry
+        entry[2] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[2] -= 1
+            if entry[2] == 0:
+                entry[0].remove()
+                entry[1].remove()
+                del _HOOKS[key]
+
+
+@contextlib.contextmanager
+def certified(model: nn.Module, sess: CSVSession):
+    """Make ``sess`` active for ``model`` in this context (head swap, mode decision, hooks). Restored on
+    exit, also on exceptions; concurrent activations on one model are reference-counted."""
+    with _hooks(model), \
+            instance_override(model, "_get_logits_processor", lambda orig: _patched_get_logits_processor(model, orig)), \
+            instance_override(model, "_get_stopping_criteria", lambda orig: _patched_get_stopping_criteria(model, orig)), \
+            swapped_head(model, sess):
+        try:
+            yield sess
+        finally:
+            sess.last = None  # drop the stashed tensors with the call
+            sess.last_out = None
+
+
+def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
+    """Instance-level ``_get_logits_processor``: stock list, then the mode decision for the session."""
+
+    def _get_logits_processor(*args: Any, **kwargs: Any):
+        procs = orig(*args, **kwargs)
+        sess = active_session(model)
+        if sess is None:
+            return procs
+        gc = kwargs.get("generation_config", args[0] if args else None)
+        # one CSVLogitsProcessor, last (a user's instance is reused, keeping its records)
+        # an assistant's generate receives the target's processors, whose CSVLogitsProcessor is bound
+        # to the target's session: a draft session never takes it over, it gets its own
+        mine = [] if sess.draft else [p for p in procs if isinstance(p, CSVLogitsProcessor)]
+        others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
+        decide_mode(sess, gc, others)
+        modes = getattr(sess.head, "modes", None)
+        if modes is not None and sess.mode != "full" and sess.mode not in modes:
+            sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
+        verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
+        procs[:] = others + ([verifier] if (sess.verify or mine) else [])
+        sess.processors = procs
+        return procs
+
+    return _get_logits_processor
+
+
+def _patched_get_stopping_criteria(model: nn.Module, orig: Callable) -> Callable:
+    """Instance-level ``_get_stopping_criteria``: stock list; a criterion that may read scores declines."""
+
+    def _get_stopping_criteria(*args: Any, **kwargs: Any):
+        criteria = orig(*args, **kwargs)
+        sess = active_session(model)
+        if sess is not None:
+            check_stopping_criteria(sess, criteria)
+        return criteria
+
+    return _get_stopping_criteria
+
+
+def _track_length(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: how many tokens the model has consumed once this forward is done (cache + new).
+
+    The head call then knows the token index of each of its positions (StepStash.position), which
+    CSVLogitsProcessor needs when one call produces several positions (assisted verification).
+    """
+    sess = active_session(module)
+    if sess is None:
+        return None
+    ids = kwargs.get("decoder_input_ids")
+    if ids is None:
+        ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+    if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
+        sess.fed_total = None
+        return None
+    pkv = kwargs.get("past_key_values")
+    try:
+        past = int(pkv.get_seq_length()) if pkv is not None else 0
+    except (AttributeError, TypeError):
+        sess.fed_total = None
+        return None
+    sess.fed_total = past + int(ids.shape[-1])
+    return None
+
+
+def _check_post(module: nn.Module, args: tuple, output: Any):
+    """Forward hook: the post-head guard on the model's returned logits (once per call)."""
+    sess = active_session(module)
+    if sess is not None and not sess.post_checked and sess.last_out is not None:
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+            logits = output[0]
+        guard_post_head(sess, logits)
+    return None
