@@ -26,3 +26,9 @@ def kernel_backend(request, monkeypatch):
     """Run a test under each CPU kernel backend (fbgemm fast path and the plain reference)."""
     monkeypatch.setenv("HF_CSV_KERNELS", request.param)
     return request.param
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=None,
+                     help="number of differential fuzzer cases (tests/test_differential.py; default 300, "
+                          "or HF_CSV_FUZZ_CASES)")

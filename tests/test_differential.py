@@ -1,0 +1,306 @@
+"""Differential fuzzer: hf_csv against stock transformers on random cases.
+
+Each case draws an architecture (tiny random Llama, Qwen2, Gemma-2 with softcap, Gemma-3, Cohere with
+logit_scale, Granite with logits_scaling, Phi with a head bias, Whisper), a dtype (fp32, bf16), a
+batch (1 or more, left-padded), a decoding method (greedy, beam, sampling with random temperature /
+top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram, bad words, min new
+tokens), output_scores and a stopping criterion that reads scores, and a CSVConfig. Then:
+
+* deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
+* sampling, certified: a chi-square test of the first token's law against stock's exact law
+  (softmax of stock's processed scores), over ``DRAWS`` draws, at a family-wise significance level
+  ALPHA = 1e-3 (Bonferroni over the run's sampling cases), plus zero draws outside stock's support at
+  every step of a multi-token run (stock's processed scores recomputed on hf_csv's own prefix);
+* sampling, declined (full head): the same seed must give stock's tokens and scores. (A sampling call
+  whose rows all fell back over the budget still draws with hf_csv's exact sampler: law test, and it
+  counts as declined.)
+
+A declined case counts as passed only if it really is identical, and declined cases are counted apart
+(the summary test fails if fewer than a third of the cases are certified), so declining everything
+cannot look like success. CI runs 300 cases; ``pytest tests/test_differential.py --fuzz-cases 5000``
+(or HF_CSV_FUZZ_CASES=5000) is the larger run; HF_CSV_FUZZ_JSON=path writes the summary.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_csv
+from hf_csv import CSVConfig
+
+ALPHA = 1e-3  # family-wise significance level of the law tests (fixed seeds)
+DRAWS = 1200  # draws of the first token per certified sampling case
+ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "cohere", "granite", "phi", "whisper")
+DTYPES = (torch.float32, torch.bfloat16)
+_MODELS: dict = {}
+RESULTS: list = []
+
+
+def pytest_generate_tests(metafunc):
+    if "case_id" in metafunc.fixturenames:
+        n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
+        metafunc.parametrize("case_id", range(int(n)))
+
+
+def _n_cases(config) -> int:
+    return int(config.getoption("fuzz_cases", None) or os.environ.get("HF_CSV_FUZZ_CASES", "300"))
+
+
+# ------------------------------------------------------------------ tiny random models
+def _build(arch: str, seed: int) -> torch.nn.Module:
+    import transformers as tf
+
+    rng = random.Random(seed * 31 + ARCHS.index(arch))
+    torch.manual_seed(seed)
+    vocab = rng.choice([97, 256, 512])
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "whisper":
+        cfg = tf.WhisperConfig(vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=2,
+                               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                               decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500,
+                               max_target_positions=64, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
+                               bos_token_id=1)
+        m = tf.WhisperForConditionalGeneration(cfg)
+    elif arch == "llama":
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    elif arch == "qwen2":
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=rng.random() < 0.5))
+    elif arch == "gemma2":
+        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=16, final_logit_softcapping=rng.choice([2.0, 5.0, 30.0]),
+                                                 attn_logit_softcapping=50.0, query_pre_attn_scalar=16, sliding_window=16))
+    elif arch == "gemma3":
+        m = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=16,
+                                                     final_logit_softcapping=rng.choice([None, 3.0])))
+    elif arch == "cohere":
+        m = tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=rng.choice([0.0625, 0.3, 3.0])))
+    elif arch == "granite":
+        m = tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=rng.choice([0.7, 8.0])))
+    elif arch == "phi":
+        m = tf.PhiForCausalLM(tf.PhiConfig(**common))
+    else:  # pragma: no cover
+        raise ValueError(arch)
+    m = m.eval()
+    head = m.get_output_embeddings()
+    with torch.no_grad():  # spread the logits so that certificates prune (the scale also varies the ties)
+        head.weight.mul_(rng.choice([4.0, 12.0, 30.0]))
+        if head.bias is not None:
+            head.bias.normal_(0, 2.0)
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _model(arch: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    key = (arch, dtype, seed)
+    if key not in _MODELS:
+        _MODELS[key] = hf_csv.enable(_build(arch, seed).to(dtype))
+    return _MODELS[key]
+
+
+class ScoreReader(StoppingCriteria):
+    """A custom criterion that reads the scores (a confidence stop): hf_csv must decline it."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if not scores:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.softmax(scores[-1].float(), -1).amax(-1) > 0.6
+
+
+# ------------------------------------------------------------------ random cases
+def _case(i: int) -> dict:
+    rng = random.Random(7919 * i + 17)
+    arch = rng.choice(ARCHS)
+    c = {"id": i, "arch": arch, "dtype": rng.choice(DTYPES), "seed": rng.randrange(3), "batch": rng.choice([1, 1, 2, 3])}
+    kind = rng.choices(["greedy", "beam", "sample"], weights=[4, 1, 4])[0]
+    if arch == "whisper" and kind == "sample":
+        kind = "greedy"  # Whisper's generate re-reads temperature as its fallback schedule: not fuzzed here
+    kw = {"max_new_tokens": rng.randint(1, 8)}
+    if kind == "greedy":
+        kw["do_sample"] = False
+    elif kind == "beam":
+        kw.update(do_sample=False, num_beams=rng.choice([2, 3]))
+    else:
+        kw["do_sample"] = True
+        for key, vals in (("temperature", [None, 0.6, 1.0, 1.7]), ("top_k", [None, 0, 1, 5, 40]),
+                          ("top_p", [None] * 6 + [0.9]), ("min_p", [None] * 6 + [0.1])):
+            v = rng.choice(vals)
+            if v is not None:
+                kw[key] = v
+    if rng.random() < 0.15:
+        kw["repetition_penalty"] = rng.choice([1.3, 1.3, 0.8])
+    if rng.random() < 0.12:
+        kw["no_repeat_ngram_size"] = 2
+    if rng.random() < 0.12 and arch != "whisper":
+        kw["bad_words_ids"] = [[rng.randrange(3, 90)], [rng.randrange(3, 90)]]
+    if rng.random() < 0.12:
+        kw["min_new_tokens"] = rng.randint(1, 4)
+    if rng.random() < 0.08:
+        kw.update(return_dict_in_generate=True, output_scores=True)
+    c["stop"] = rng.random() < 0.05
+    c["kind"] = kind
+    c["kw"] = kw
+    mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
+    c["csv"] = {"mode": mode, "budget": rng.choice([0.05, 0.05, 0.5, 3])}
+    return c
+
+
+def _inputs(c: dict, m) -> dict:
+    g = torch.Generator().manual_seed(c["id"])
+    if c["arch"] == "whisper":
+        return {"input_features": torch.randn(c["batch"], 80, 3000, generator=g).to(m.dtype)}
+    V = m.config.vocab_size
+    ids = torch.randint(3, V, (c["batch"], 6), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(1, c["batch"]):  # left padding on every row but the first
+        n = r % 4
+        ids[r, :n] = 0
+        mask[r, :n] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _gen(m, c: dict, inputs: dict, csv: bool, **extra):
+    kw = dict(c["kw"])
+    kw.update(extra)
+    if c["stop"]:
+        kw["stopping_criteria"] = StoppingCriteriaList([ScoreReader()])
+    if csv:
+        kw["csv_config"] = CSVConfig(**c["csv"])
+    return m.generate(**inputs, **kw)
+
+
+def _seqs(out):
+    return out if torch.is_tensor(out) else out.sequences
+
+
+def _same_outputs(a, b) -> tuple[bool, str]:
+    if not torch.equal(_seqs(a), _seqs(b)):
+        return False, f"tokens differ:\n stock {_seqs(a).tolist()}\n csv   {_seqs(b).tolist()}"
+    for name in ("scores", "sequences_scores"):
+        sa, sb = getattr(a, name, None), getattr(b, name, None)
+        if sa is None:
+            continue
+        sa = sa if isinstance(sa, tuple) else (sa,)
+        sb = sb if isinstance(sb, tuple) else (sb,)
+        if len(sa) != len(sb) or not all(torch.equal(x, y) for x, y in zip(sa, sb)):
+            return False, f"{name} differ from stock's"
+    return True, ""
+
+
+def _stock_law(m, c: dict, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Stock's exact next-token law: softmax of its processed scores, float64 [rows, V]."""
+    kw = {k: v for k, v in c["kw"].items() if k not in ("return_dict_in_generate", "output_scores")}
+    kw.update(max_new_tokens=1, min_new_tokens=None, return_dict_in_generate=True, output_scores=True)
+    out = m.generate(input_ids=ids, attention_mask=mask, **kw)
+    return torch.softmax(out.scores[0].double(), -1)
+
+
+def _law_check(m, c: dict, inputs: dict, n_sampling: int) -> tuple[bool, str]:
+    """First-token chi-square (Bonferroni over the sampling cases) + support at every step."""
+    ids, mask = inputs["input_ids"][:1], inputs["attention_mask"][:1]
+    p = _stock_law(m, c, ids, mask)[0].numpy()
+    torch.manual_seed(c["id"])
+    out = _gen(m, c, {"input_ids": ids.repeat(DRAWS, 1), "attention_mask": mask.repeat(DRAWS, 1)}, True,
+               max_new_tokens=1, return_dict_in_generate=False, output_scores=False)
+    st = m.csv_last_stats
+    if st["mode"] == "full":
+        return True, ""  # declined at this shape: the full head is stock's sampler
+    draws = out[:, -1].numpy()
+    if (p[draws] == 0).any():
+        return False, f"draws outside stock's support: {sorted(set(draws[p[draws] == 0].tolist()))}"
+    counts = np.bincount(draws, minlength=len(p))
+    keep = p * DRAWS >= 5
+    obs, exp = counts[keep].astype(float), p[keep] * DRAWS
+    rest_o, rest_e = counts[~keep].sum(), p[~keep].sum() * DRAWS
+    if rest_e >= 5:
+        obs, exp = np.append(obs, rest_o), np.append(exp, rest_e)
+    elif rest_o > 0 and len(exp):
+        exp = exp * obs.sum() / exp.sum() if obs.sum() else exp
+    if len(obs) >= 2 and obs.sum() > 0:
+        exp = exp * obs.sum() / exp.sum()
+        pv = sps.chisquare(obs, exp).pvalue
+        if pv < ALPHA / max(1, n_sampling):
+            return False, f"first-token law differs from stock's: chi-square p = {pv:.2e}"
+    # support at every step of a multi-token run, on hf_csv's own prefixes
+    torch.manual_seed(c["id"] + 1)
+    seq = _seqs(_gen(m, c, inputs, True))
+    L = inputs["input_ids"].shape[1]
+    for t in range(L, seq.shape[1]):
+        msk = torch.cat([inputs["attention_mask"], torch.ones(seq.shape[0], t - L, dtype=torch.long)], 1)
+        law = _stock_law(m, c, seq[:, :t], msk)
+        tok = seq[:, t]
+        live = tok != m.generation_config.pad_token_id
+        if (law[torch.arange(len(tok)), tok][live] == 0).any():
+            return False, f"step {t - L}: a token outside stock's support"
+    return True, ""
+
+
+def _run(c: dict, n_sampling: int) -> dict:
+    m = _model(c["arch"], c["dtype"], c["seed"])
+    inputs = _inputs(c, m)
+    res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"]}
+    if c["kind"] == "sample":
+        torch.manual_seed(c["id"])
+        a = _gen(m, c, inputs, False)
+        torch.manual_seed(c["id"])
+        b = _gen(m, c, inputs, True)
+    else:
+        a = _gen(m, c, inputs, False)
+        b = _gen(m, c, inputs, True)
+    st = m.csv_last_stats
+    certified = st["mode"] != "full" and st.get("certified", 0) > 0
+    res.update(status="certified" if certified else "declined", mode=st["mode"], reasons=st["reasons"],
+               rows=st.get("rows", 0), certified_rows=st.get("certified", 0), declined_rows=st.get("declined_rows", 0),
+               reruns=st["verify_reruns"])
+    if c["kind"] != "sample" or st["mode"] == "full":
+        ok, why = _same_outputs(a, b)  # declined: stock's head and sampler, the same random stream
+    elif c["csv"]["mode"] == "topk" and st["mode"] == "topk":
+        ok, why = _same_outputs(a, b)  # stock's sampler on stock's top-K values: the same draws
+    else:
+        ok, why = _law_check(m, c, inputs, n_sampling)
+    res.update(ok=ok, why=why)
+    return res
+
+
+def test_differential_case(case_id, request):
+    c = _case(case_id)
+    n = _n_cases(request.config)
+    n_sampling = sum(_case(i)["kind"] == "sample" for i in range(n))
+    r = _run(c, n_sampling)
+    RESULTS.append(r)
+    assert r["ok"], f"case {case_id} {c['arch']} {c['dtype']} {c['kind']} kw={c['kw']} csv={c['csv']} " \
+                    f"stop={c['stop']} batch={c['batch']}: {r['why']} (mode {r['mode']}, reasons {r['reasons']})"
+
+
+def test_differential_summary(request):
+    """Runs after the cases: declining everything must not look like success."""
+    if not RESULTS:
+        pytest.skip("no fuzz case ran in this session")
+    n = len(RESULTS)
+    cert = sum(r["status"] == "certified" for r in RESULTS)
+    summary = {"cases": n, "certified": cert, "declined": n - cert, "mismatches": sum(not r["ok"] for r in RESULTS),
+               "by_arch": dict(Counter(r["arch"] for r in RESULTS if r["status"] == "certified")),
+               "by_kind_certified": dict(Counter(r["kind"] for r in RESULTS if r["status"] == "certified")),
+               "by_kind": dict(Counter(r["kind"] for r in RESULTS)),
+               "reruns": sum(r["reruns"] for r in RESULTS),
+               "decline_reasons": dict(Counter(reason.split(":")[0] for r in RESULTS if r["status"] == "declined"
+                                               for reason in r["reasons"][:1])),
+               "alpha_family": ALPHA, "draws": DRAWS}
+    print("\nhf_csv differential fuzzer:", json.dumps(summary))
+    out = os.environ.get("HF_CSV_FUZZ_JSON")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"summary": summary, "cases": RESULTS}, f, indent=1, default=str)
+    assert summary["mismatches"] == 0
+    assert cert >= n / 3, f"only {cert} of {n} cases certified: declining must not pass for success"
+    # every architecture of the fuzzer is certified somewhere
+    if n >= 200:
+        assert set(summary["by_arch"]) == set(ARCHS), summary["by_arch"]
