@@ -140,6 +140,7 @@ class VocabParallelHead:
     """
 
     modes = frozenset({"topk"})
+    bounds_uncomputed = False  # CertResult.bound is not provided: calls that need the per-row check decline
 
     def __init__(self, weight_rows: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
                  bias_rows: Optional[torch.Tensor] = None, budget: Union[int, float] = 0.05, group=None,

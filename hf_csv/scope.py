@@ -127,6 +127,9 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         modes = getattr(sess.head, "modes", None)
         if modes is not None and sess.mode != "full" and sess.mode not in modes:
             sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
+        if sess.verify and sess.mode != "full" and not getattr(sess.head, "bounds_uncomputed", True):
+            sess.set_full("the vocabulary-parallel head gives no per-row bound on uncomputed logits, which the check "
+                          "after lowering processors or a post-head transform needs")
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
         procs[:] = others + ([verifier] if (sess.verify or mine) else [])
         sess.processors = procs
