@@ -13,6 +13,7 @@ This module does not import transformers.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional, Protocol
 
 import torch
@@ -61,6 +62,7 @@ class ScreenProvider:
         self.rows = (quantize_rows_int8 if quant == "int8" else quantize_rows_fp8)(weight.detach())
         self.num_outliers = min(int(num_outliers), self.hidden_size)
         self.state = None
+        self._calibrating = threading.Lock()  # concurrent first calls calibrate once
         if outlier_cols is not None or self.num_outliers == 0:
             self._prepare(outlier_cols)
 
@@ -78,7 +80,9 @@ class ScreenProvider:
     @torch.no_grad()
     def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.state is None:
-            self.calibrate(H)
+            with self._calibrating:
+                if self.state is None:
+                    self.calibrate(H)
         est, rad = get_op("screen_int8", H.device)(self.state, H)
         if self.bias is not None:
             est = est.add_(self.bias)

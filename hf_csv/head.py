@@ -100,6 +100,7 @@ class CSVSession:
     last_out: Optional[torch.Tensor] = None  # what the head returned last (for the guard)
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
+    check_after: Any = None  # the processor the CSVLogitsProcessor check follows (None: the end of the list)
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator

@@ -125,6 +125,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     cfg = session.config
     session.reasons.clear()
     session.verify = False
+    session.check_after = None
     if session.force_full:
         session.set_full(session.force_full)
         return session
@@ -207,27 +208,33 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         session.set_full("beam sampling is not certified")
         return session
     # multinomial sampling
+    topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
+    if len(topks) == 1 and cfg.mode != "sample" and top_k < session.head.vocab_size:
+        i = topks[0]
+        before = {classify_processor(p) for p in processors[:i]}
+        if before <= {"order", "lower"}:
+            # certified top-K, checked right after the top-k warper (docs/certificates.md §3.2): from there
+            # on every warper (top-p, min-p, ...) and stock's sampler see exactly stock's vector
+            session.mode, session.k, session.verify = "topk", top_k, True
+            session.check_after = processors[i]
+            return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampling after {post.describe()}: the map turns uncomputed -inf logits into finite "
                          "scores that keep probability")
         return session
     if lower:
-        session.set_full(f"sampling with token-specific processors {kinds['lower']} (they must act "
+        session.set_full(f"sampling with token-specific processors {kinds['lower']} and no top-k (they must act "
                          "before the draw)")
         return session
     if norm:
         if cfg.mode == "epsilon" and post.identity:
             session.mode = "epsilon"
             return session
-        session.set_full(f"normalizing warpers {kinds['norm']} need the whole distribution "
-                         "(CSVConfig(mode='epsilon') allows TV <= epsilon)")
+        session.set_full(f"normalizing warpers {kinds['norm']} without a top-k before them need the whole "
+                         "distribution (CSVConfig(mode='epsilon') allows TV <= epsilon)")
         return session
-    if sum(kind == "top_k" for kind, _ in warps) > 1:
+    if len(topks) > 1:
         session.set_full("several top-k warpers")
-        return session
-    if cfg.mode == "topk" and top_k is not None:
-        # exact top-K values; the stock warpers and sampler act on them; the check proves the top-K
-        session.mode, session.k, session.verify = "topk", top_k, True
         return session
     session.mode = "sample"
     return session

@@ -41,7 +41,8 @@ _BOUND: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_csv_bound_proc
 
 
 class CSVLogitsProcessor(LogitsProcessor):
-    """Enforces / records the per-step certificate of the certified head (put last in the list).
+    """Enforces / records the per-step certificate of the certified head (placed last in the list, or right
+    after the top-k warper in sampling: every later warper then sees stock's vector).
 
     Args:
         record: keep ``self.records`` (one dict per step: rows, rows re-run with the full head).

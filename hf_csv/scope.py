@@ -131,7 +131,12 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
             sess.set_full("the vocabulary-parallel head gives no per-row bound on uncomputed logits, which the check "
                           "after lowering processors or a post-head transform needs")
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
-        procs[:] = others + ([verifier] if (sess.verify or mine) else [])
+        if sess.verify or mine:
+            # the check goes right after the processor the certificate is about (sampling: the top-k
+            # warper, so that every later warper sees stock's vector), else last
+            at = next((i + 1 for i, p in enumerate(others) if p is sess.check_after), len(others))
+            others = others[:at] + [verifier] + others[at:]
+        procs[:] = others
         sess.processors = procs
         return procs
 

@@ -133,11 +133,14 @@ def test_suppressing_the_top_token_forces_a_rerun(llama):
 @pytest.mark.parametrize("kw,mode,reason", [
     ({}, "topk", None),
     ({"repetition_penalty": 1.2}, "topk", None),
-    ({"do_sample": True}, "sample", None),
-    ({"do_sample": True, "temperature": 0.7, "top_k": 20}, "sample", None),
-    ({"do_sample": True, "top_p": 0.9}, "full", "TopPLogitsWarper"),
-    ({"do_sample": True, "min_p": 0.1}, "full", "MinPLogitsWarper"),
-    ({"do_sample": True, "repetition_penalty": 1.2}, "full", "before the draw"),
+    ({"do_sample": True}, "topk", None),  # transformers' default top_k=50: checked top-K, stock sampler
+    ({"do_sample": True, "temperature": 0.7, "top_k": 20}, "topk", None),
+    ({"do_sample": True, "top_k": 20, "top_p": 0.8, "temperature": 0.7, "repetition_penalty": 1.05}, "topk", None),
+    ({"do_sample": True, "top_k": 0}, "sample", None),
+    ({"do_sample": True, "top_k": 0, "temperature": 0.7}, "sample", None),
+    ({"do_sample": True, "top_k": 0, "top_p": 0.9}, "full", "TopPLogitsWarper"),
+    ({"do_sample": True, "top_k": 0, "min_p": 0.1}, "full", "MinPLogitsWarper"),
+    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2}, "full", "before the draw"),
     ({"num_beams": 2}, "full", "log_softmax"),
     ({"output_logits": True, "return_dict_in_generate": True}, "full", "output_logits"),
     ({"repetition_penalty": 0.8}, "full", "RepetitionPenalty"),
@@ -155,7 +158,7 @@ def test_processor_matrix(llama, kw, mode, reason):
 
 
 def test_epsilon_mode_for_top_p(llama):
-    llama.generate(**_ids(), max_new_tokens=2, do_sample=True, top_p=0.9, csv_config=CSVConfig(mode="epsilon"))
+    llama.generate(**_ids(), max_new_tokens=2, do_sample=True, top_k=0, top_p=0.9, csv_config=CSVConfig(mode="epsilon"))
     assert llama.csv_last_stats["mode"] == "epsilon"
 
 

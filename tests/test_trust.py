@@ -69,8 +69,10 @@ def F_linear(H, W):
     return torch.nn.functional.linear(H, W)
 
 
-def test_smollm2_default_sampling_stays_in_stock_top50():
-    """transformers fills in top_k=50 for do_sample=True: every certified draw is in stock's top-50."""
+@pytest.mark.parametrize("mode,expect", [("auto", "topk"), ("sample", "sample")])
+def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect):
+    """transformers fills in top_k=50 for do_sample=True: every certified draw is in stock's top-50
+    (auto: checked top-K + stock sampler; mode="sample": the draw inside the head)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = model_dir("smollm2-135m")
@@ -81,8 +83,8 @@ def test_smollm2_default_sampling_stays_in_stock_top50():
     n = 200
     torch.manual_seed(0)
     out = m.generate(input_ids=x.input_ids.repeat(n, 1), attention_mask=x.attention_mask.repeat(n, 1),
-                     do_sample=True, max_new_tokens=1, csv_config=CSVConfig())
-    assert m.csv_last_stats["mode"] == "sample"
+                     do_sample=True, max_new_tokens=1, csv_config=CSVConfig(mode=mode))
+    assert m.csv_last_stats["mode"] == expect and m.csv_last_stats["certified"] > 0
     with torch.no_grad():
         top50 = set(m(**x).logits[0, -1].topk(50).indices.tolist())
     assert set(out[:, -1].tolist()) <= top50
