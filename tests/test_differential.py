@@ -18,7 +18,8 @@ tokens), output_scores and a stopping criterion that reads scores, and a CSVConf
 A declined case counts as passed only if it really is identical, and declined cases are counted apart
 (the summary test fails if fewer than a third of the cases are certified), so declining everything
 cannot look like success. CI runs 300 cases; ``pytest tests/test_differential.py --fuzz-cases 5000``
-(or HF_CSV_FUZZ_CASES=5000) is the larger run; HF_CSV_FUZZ_JSON=path writes the summary.
+(or HF_CSV_FUZZ_CASES=5000) is the larger run; HF_CSV_FUZZ_JSON=path writes the summary;
+HF_CSV_FUZZ_DTYPES=float16 (comma-separated torch dtype names) changes the dtypes drawn.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from hf_csv import CSVConfig
 ALPHA = 1e-3  # family-wise significance level of the law tests (fixed seeds)
 DRAWS = 1200  # draws of the first token per certified sampling case
 ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "cohere", "granite", "phi", "whisper")
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = tuple(getattr(torch, n) for n in os.environ.get("HF_CSV_FUZZ_DTYPES", "float32,bfloat16").split(","))
 _MODELS: dict = {}
 RESULTS: list = []
 
@@ -301,6 +302,7 @@ def test_differential_summary(request):
             json.dump({"summary": summary, "cases": RESULTS}, f, indent=1, default=str)
     assert summary["mismatches"] == 0
     assert cert >= n / 3, f"only {cert} of {n} cases certified: declining must not pass for success"
-    # every architecture of the fuzzer is certified somewhere
+    # every architecture of the fuzzer is certified somewhere (Phi's biased head only in fp32: bf16/fp16 decline it)
     if n >= 200:
-        assert set(summary["by_arch"]) == set(ARCHS), summary["by_arch"]
+        expected = set(ARCHS) - (set() if torch.float32 in DTYPES else {"phi"})
+        assert set(summary["by_arch"]) >= expected, summary["by_arch"]
