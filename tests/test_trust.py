@@ -384,3 +384,26 @@ def test_guard_catches_an_unregistered_post_head_transform():
     with pytest.raises(CSVError, match="post-head transform"):
         m.generate(**_ids(), max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
     assert isinstance(m.lm_head, torch.nn.Linear)
+
+
+# ------------------------------------------------------------------ real model, chat-style sampling (issue 14 row)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype):
+    """T 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (Qwen2.5's shipped defaults): the checked top-K
+    hands top-p and stock's sampler stock's own vector, so the same seed gives stock's tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = model_dir("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(d, padding_side="left")
+    m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval())
+    prompts = [json.loads(line)["prompt"] for line in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()[:3]]
+    x = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, max_new_tokens=24)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        a = m.generate(**x, **kw)
+        torch.manual_seed(seed)
+        b = m.generate(**x, **kw, csv_config=CSVConfig())
+        assert torch.equal(a, b)
+        st = m.csv_last_stats
+        assert st["mode"] == "topk" and st["certified_fraction"] > 0.5, st  # measured 0.86-0.88 (budget 5 %)
