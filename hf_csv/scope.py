@@ -31,8 +31,8 @@ from .processors import CSVLogitsProcessor
 __all__ = ["instance_override", "certified", "new_session"]
 
 _LOCK = threading.RLock()
-_OVERRIDES: dict[tuple, list] = {}  # (id(model), attribute) -> [refcount]
-_HOOKS: dict[int, list] = {}  # id(model) -> [pre handle, post handle, refcount]
+_OVERRIDES: dict[tuple, list] = {}  # (id(model), attribute) -> [undo, refcount]
+_HOOKS: dict[int, list] = {}  # id(model) -> [undo, refcount]
 
 
 def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
@@ -58,46 +58,43 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
 
 
 @contextlib.contextmanager
+def _shared(table: dict, key: Any, install: Callable[[], Callable[[], None]]):
+    """Run ``install`` on the first enter for ``key`` and the undo it returns on the last exit
+    (reference-counted under one lock, so nested and concurrent scopes share one installation)."""
+    with _LOCK:
+        entry = table.get(key)
+        if entry is None:
+            entry = table[key] = [install(), 0]
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[1] -= 1
+            if entry[1] == 0:
+                entry[0]()
+                del table[key]
+
+
 def instance_override(model: nn.Module, name: str, make: Callable[[Callable], Callable]):
     """Scoped instance-level override ``model.<name> = make(class method bound to model)``."""
-    key = (id(model), name)
-    with _LOCK:
-        entry = _OVERRIDES.get(key)
-        if entry is None:
-            entry = [0]
-            _OVERRIDES[key] = entry
-            model.__dict__[name] = make(getattr(type(model), name).__get__(model))
-        entry[0] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[0] -= 1
-            if entry[0] == 0:
-                model.__dict__.pop(name, None)
-                del _OVERRIDES[key]
+
+    def install() -> Callable[[], None]:
+        model.__dict__[name] = make(getattr(type(model), name).__get__(model))
+        return lambda: model.__dict__.pop(name, None)
+
+    return _shared(_OVERRIDES, (id(model), name), install)
 
 
-@contextlib.contextmanager
 def _hooks(model: nn.Module):
-    """One pre/post forward hook pair per model while any session is active on it (reference-counted)."""
-    key = id(model)
-    with _LOCK:
-        entry = _HOOKS.get(key)
-        if entry is None:
-            entry = [model.register_forward_pre_hook(_track_length, with_kwargs=True),
-                     model.register_forward_hook(_check_post), 0]
-            _HOOKS[key] = entry
-        entry[2] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[2] -= 1
-            if entry[2] == 0:
-                entry[0].remove()
-                entry[1].remove()
-                del _HOOKS[key]
+    """One pre/post forward hook pair per model while any session is active on it."""
+
+    def install() -> Callable[[], None]:
+        handles = (model.register_forward_pre_hook(_track_length, with_kwargs=True),
+                   model.register_forward_hook(_check_post))
+        return lambda: [h.remove() for h in handles]
+
+    return _shared(_HOOKS, id(model), install)
 
 
 @contextlib.contextmanager
