@@ -377,7 +377,7 @@ class CertifiedHead:
         With a top-k warp the candidate set is the certified top-k set and the row is checked: every
         uncomputed token's warped value is strictly below the k-th (else the row uses the full head).
         Without one, lazy Gumbel-max: any token whose warped upper bound plus its Gumbel noise is
-        below the seed's certified lower value plus noise cannot be the argmax (docs/certificates.md §4).
+        below the seed's certified lower value plus noise cannot be the argmax (docs/certificates.md §2.3).
         Rows with tokens == -1 (non-finite hidden states) carry the full stock row instead of a draw.
         """
         if not (temperature > 0 and math.isfinite(temperature)):

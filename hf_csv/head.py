@@ -87,7 +87,6 @@ class CSVSession:
     mode: str = "full"  # full | topk | beam | sample | epsilon (set by policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
-    top_k: Optional[int] = None
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
     verify: bool = False  # a CSVLogitsProcessor must check the certificate after other processors
     reasons: list = field(default_factory=list)

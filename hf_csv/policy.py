@@ -168,7 +168,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
             k = int(p.top_k)
             top_k = k if top_k is None else min(top_k, k)
             warps.append(("top_k", k))
-    session.temperature, session.top_k, session.warps = temperature, top_k, warps
+    session.temperature, session.warps = temperature, warps
     lower = "lower" in kinds
     norm = "norm" in kinds
     post = session.post

@@ -10,7 +10,7 @@ A certificate proves facts about the head's logits; stock ``generate`` compares 
 values, rounded in the model dtype, where rounding can merge distinct logits into ties (and ties
 go to the lowest index). So every certificate is checked on ``post(x)``: :class:`PostHead.apply`
 performs the architecture's own operations, in the same order and dtype, on a tensor of bounds.
-Each transform is monotone non-decreasing, which is all the proofs need (docs/certificates.md §5).
+Each transform is monotone non-decreasing, which is all the proofs need (docs/certificates.md §3.1).
 
 The registry is an allow-list read from transformers 5.23's modeling code. An architecture that is
 not listed, or a listed one with a configuration this module does not understand (a non-positive
