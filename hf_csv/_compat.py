@@ -1,16 +1,67 @@
-"""transformers version gate for the integration modules (head swap, generate wrapper).
+"""The one place that knows each supported transformers version and its patch points.
 
-The integration relies on internals read from transformers 5.23 (DESIGN.md §5): where the head
-is applied, ``_get_logits_processor``'s contract, the ``_sample``/``_beam_search`` loops. Other
-versions fail clearly instead of silently producing uncertified output.
+hf_csv touches transformers at these documented points only (docs/processors.md, DESIGN.md §5):
+
+* ``GenerationMixin._get_logits_processor`` / ``_get_stopping_criteria`` / ``_get_candidate_generator``
+  (instance-level overrides: stock result first, then hf_csv inspects it);
+* the model's output head module (``lm_head`` / ``proj_out``) swapped for the call;
+* the module global ``transformers.generation.utils._speculative_sampling`` (assisted sampling).
+
+Each tested release series is listed in :data:`SUPPORTED` with what differs between them:
+
+* the fifth parameter of ``_speculative_sampling``: 5.x passes ``assistant_ensemble_weight``; 4.57
+  passes ``is_done_candidate`` (when the last drafted token ends the sequence and every draft is
+  accepted, stock 4.57 keeps the L drafts and samples no bonus token);
+* where the candidate generator reads the draft schedule: 5.x from its own copy of the assistant's
+  generation config, 4.57 from the assistant model's (shared) generation config, which hf_csv does not
+  write, so there a schedule or confidence threshold passed to the main ``generate`` is not applied
+  (as in stock 4.57) and the call's stats say so.
+
+On a version not listed, hf_csv imports and :func:`hf_csv.enable` works, but certified calls run
+the full head: it warns once and records the reason in the call's stats. ``HF_CSV_ALLOW_UNTESTED=1``
+lets such a version take the certified path anyway (at your own risk: the patch points are then
+checked by signature only).
 """
 from __future__ import annotations
 
+import inspect
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 from .errors import UnsupportedVersionError
 
-TESTED = ((5, 23),)  # (major, minor) series tested
+__all__ = ["Support", "SUPPORTED", "support", "unsupported_reason", "check_transformers_version",
+           "speculative_gen_utils", "transformers_version"]
+
+
+@dataclass(frozen=True)
+class Support:
+    """What hf_csv relies on in one transformers release series."""
+
+    series: tuple[int, int]
+    # name of ``_speculative_sampling``'s fifth parameter: "assistant_ensemble_weight" or "is_done_candidate"
+    speculative_extra: str
+    # the candidate generator's own copy of the assistant's generation config (5.x), or None (4.57 reads
+    # the schedule and the confidence threshold from ``assistant_model.generation_config``, a shared object)
+    assistant_config_attr: Optional[str] = "assistant_generation_config"
+
+
+_SPEC_5 = "assistant_ensemble_weight"
+_SPEC_457 = "is_done_candidate"
+
+#: tested series (CI runs the full suite on 5.23 and the exactness subset on 5.20 and 4.57)
+SUPPORTED: dict[tuple[int, int], Support] = {
+    (4, 57): Support((4, 57), _SPEC_457, assistant_config_attr=None),
+    **{(5, m): Support((5, m), _SPEC_5) for m in (20, 21, 22, 23)},
+}
+_SPEC_HEAD = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits")
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _parse(v: str) -> tuple[int, int]:
@@ -21,21 +72,68 @@ def _parse(v: str) -> tuple[int, int]:
         return (-1, -1)
 
 
-def check_transformers_version(version: str | None = None) -> str:
-    """Return the transformers version, or raise :class:`UnsupportedVersionError`.
+def _untested_ok() -> bool:
+    return os.environ.get("HF_CSV_ALLOW_UNTESTED") == "1"
 
-    ``HF_CSV_ALLOW_UNTESTED=1`` skips the check (at your own risk: outputs stay certified only
-    if the integration points of DESIGN.md §5 are unchanged).
+
+def support(version: Optional[str] = None) -> Optional[Support]:
+    """The :class:`Support` entry of ``version`` (default: the installed one), or None if untested.
+
+    With ``HF_CSV_ALLOW_UNTESTED=1`` an untested version gets the entry its ``_speculative_sampling``
+    signature matches (checked when a speculative patch is entered).
     """
-    if version is None:
-        import transformers
+    found = SUPPORTED.get(_parse(version or transformers_version()))
+    if found is None and _untested_ok():
+        from transformers.generation import utils as gen_utils
 
-        version = transformers.__version__
-    if os.environ.get("HF_CSV_ALLOW_UNTESTED") == "1":
-        return version
-    if _parse(version) not in TESTED:
-        tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED)
-        raise UnsupportedVersionError(
-            f"hf_csv's generate integration was tested with transformers {tested}; found {version}. "
-            "Install a tested version, or set HF_CSV_ALLOW_UNTESTED=1 to try anyway.")
+        fn = getattr(gen_utils, "_speculative_sampling", None)
+        fn = getattr(fn, "__hf_csv_original__", fn)
+        extra = tuple(inspect.signature(fn).parameters)[4:5] if fn is not None else ()
+        found = Support(_parse(version or transformers_version()), extra[0] if extra else _SPEC_5)
+    return found
+
+
+def _tested() -> str:
+    return ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
+
+
+def unsupported_reason(version: Optional[str] = None) -> Optional[str]:
+    """None on a tested version; otherwise why certified calls use the full head."""
+    version = version or transformers_version()
+    if support(version) is not None:
+        return None
+    return (f"transformers {version} is not a tested version ({_tested()}): its generate internals may have "
+            "changed, so certified calls use the full head (HF_CSV_ALLOW_UNTESTED=1 to try anyway)")
+
+
+def check_transformers_version(version: Optional[str] = None) -> str:
+    """Return the version, or raise :class:`UnsupportedVersionError` (for callers that must not run
+    on an untested version, such as an explicit ``patch_speculative_sampling``)."""
+    version = version or transformers_version()
+    why = unsupported_reason(version)
+    if why is not None:
+        raise UnsupportedVersionError(why)
     return version
+
+
+def speculative_gen_utils() -> tuple[object, Support]:
+    """``transformers.generation.utils`` and the version's :class:`Support`, after checking that
+    ``_speculative_sampling`` exists with the signature that version is known to have.
+
+    Raises:
+        UnsupportedVersionError: untested version, missing global or another signature.
+    """
+    check_transformers_version()
+    from transformers.generation import utils as gen_utils
+
+    sup = support()
+    assert sup is not None
+    fn = getattr(gen_utils, "_speculative_sampling", None)
+    if fn is None:
+        raise UnsupportedVersionError("transformers.generation.utils._speculative_sampling not found")
+    fn = getattr(fn, "__hf_csv_original__", fn)
+    params = tuple(inspect.signature(fn).parameters)
+    expected = _SPEC_HEAD + (sup.speculative_extra,)
+    if params != expected:
+        raise UnsupportedVersionError(f"unexpected _speculative_sampling signature {params}; expected {expected}")
+    return gen_utils, sup

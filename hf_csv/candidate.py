@@ -26,10 +26,11 @@ What it does, during one certified assisted ``generate`` call on the target mode
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ._compat import SUPPORTED, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
@@ -55,31 +56,42 @@ def user_assistant_settings(kwargs: dict) -> dict:
     return out
 
 
-def apply_main_assistant_settings(gen: Any, settings: dict) -> dict:
+def apply_main_assistant_settings(gen: Any, settings: dict, sess: Optional[CSVSession] = None) -> dict:
     """Apply ``settings`` (see :func:`user_assistant_settings`) to the candidate generator; returns them.
 
-    Keys not in ``settings`` are left as the assistant's own generation config decided them.
+    Keys not in ``settings`` are left as the assistant's own generation config decided them. On a
+    transformers version whose generator has no config of its own (:mod:`hf_csv._compat`), the schedule
+    and the threshold are left alone (stock reads them from the assistant model's shared config) and
+    ``sess`` notes why.
     """
-    applied = {}
     n = settings.get("num_assistant_tokens")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"num_assistant_tokens must be an int >= 1, got {n!r}")
+    sched = settings.get("num_assistant_tokens_schedule")
+    if sched is not None and sched not in ("heuristic", "heuristic_transient", "constant"):
+        raise ValueError(f"num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or "
+                         f"'constant', got {sched!r}")
+    thr = settings.get("assistant_confidence_threshold")
+    if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr < 1):
+        raise ValueError(f"assistant_confidence_threshold must be a number in [0, 1), got {thr!r}")
+    applied = {}
     if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_assistant_tokens must be an int >= 1, got {n!r}")
         gen.num_assistant_tokens = n
         applied["num_assistant_tokens"] = n
-    sched = settings.get("num_assistant_tokens_schedule")
+    own = (support() or SUPPORTED[max(SUPPORTED)]).assistant_config_attr
+    if own is None or not hasattr(gen, own):
+        skipped = [k for k, v in (("num_assistant_tokens_schedule", sched), ("assistant_confidence_threshold", thr))
+                   if v is not None]
+        if skipped and sess is not None:
+            sess.note(f"{', '.join(skipped)} passed to the main generate not applied: this transformers version's "
+                      "candidate generator reads them from the assistant model's generation_config (set them there)")
+        return applied
     if sched is not None:
-        if sched not in ("heuristic", "heuristic_transient", "constant"):
-            raise ValueError(f"num_assistant_tokens_schedule must be 'heuristic', 'heuristic_transient' or "
-                             f"'constant', got {sched!r}")
-        gen.assistant_generation_config.num_assistant_tokens_schedule = sched
+        getattr(gen, own).num_assistant_tokens_schedule = sched
         applied["num_assistant_tokens_schedule"] = sched
-    thr = settings.get("assistant_confidence_threshold")
     if thr is not None:
-        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr < 1:
-            raise ValueError(f"assistant_confidence_threshold must be a number in [0, 1), got {thr!r}")
         gen.assistant_confidence_threshold = thr
-        gen.assistant_generation_config.assistant_confidence_threshold = thr
+        getattr(gen, own).assistant_confidence_threshold = thr
         gen.generation_config.assistant_confidence_threshold = thr  # what ConfidenceCriteria reads
         if thr and not hasattr(gen, "probs"):  # stock's ROC adaptation (with scikit-learn) keeps these
             gen.probs, gen.matches = [], []
@@ -125,7 +137,7 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
         if type(gen) is not AssistedCandidateGenerator:
             sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
             return gen
-        applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {})
+        applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {}, sess)
         if applied:
             sess.extra["assistant_settings"] = applied
         if sess.config.draft_head == "subvocab":

@@ -23,22 +23,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ._compat import check_transformers_version
+from ._compat import unsupported_reason
 from .candidate import patched_candidate_generator, user_assistant_settings
 from .config import CSVConfig
-from .head import CSVSession, find_head, forget_heads
+from .head import CSVSession, find_head, forget_heads, model_out_dtype
 from .policy import classify_processor, decide_mode, whisper_log_prob_reason
 from .scope import certified, new_session
 
-check_transformers_version()
-
 __all__ = ["enable", "disable", "install", "uninstall", "refresh", "decide_mode", "classify_processor",
            "csv_generate"]
+
+
+_WARNED: list = []
+
+
+def _version_reason() -> Optional[str]:
+    """Why this transformers version takes the full head (None when tested); warns once per process."""
+    why = unsupported_reason()
+    if why is not None and not _WARNED:
+        _WARNED.append(why)
+        warnings.warn(f"hf_csv: {why}", UserWarning, stacklevel=3)
+    return why
 
 
 def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
@@ -79,10 +90,19 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         config = CSVConfig(**config)
     if not isinstance(config, CSVConfig):
         raise TypeError(f"csv_config must be a CSVConfig or a dict, got {type(config).__name__}")
+    why = _version_reason()
+    if why is not None:  # untested transformers: stock generate, untouched, and the reason in the stats
+        sess = CSVSession(model=model, config=config, head=None, out_dtype=model_out_dtype(model, find_head(model)[1]))
+        sess.set_full(why)
+        out = call(*args, **kwargs)
+        return _attach_stats(model, out, sess.summary(), config)
     sess = _make_session(model, config, kwargs)
     with certified(model, sess), _verify_patch(sess, config), _assist_patch(model, sess, config):
         out = call(*args, **kwargs)
-    summary = sess.summary()
+    return _attach_stats(model, out, sess.summary(), config)
+
+
+def _attach_stats(model: nn.Module, out: Any, summary: dict, config: CSVConfig) -> Any:
     if config.stats:
         try:
             object.__setattr__(out, "csv_stats", summary) if not isinstance(out, torch.Tensor) else None
@@ -110,7 +130,7 @@ def enable(model: nn.Module) -> nn.Module:
     The instance attribute is a method bound to ``model``, so ``copy.deepcopy(model)`` gives a copy
     whose ``generate`` runs on the copy.
     """
-    check_transformers_version()
+    _version_reason()
     find_head(model)  # fail now for unsupported models
     if getattr(model.__dict__.get("generate"), "_hf_csv", False):
         return model
@@ -138,7 +158,7 @@ _INSTALLED: list = []  # (owner class, original function)
 def install() -> None:
     """Global switch: every model's ``generate`` accepts ``csv_config`` (patches ``GenerationMixin.generate``
     and ``WhisperGenerationMixin.generate``). Calls without ``csv_config`` run the original function."""
-    check_transformers_version()
+    _version_reason()
     if _INSTALLED:
         return
     from transformers.generation.utils import GenerationMixin

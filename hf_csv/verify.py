@@ -1,7 +1,7 @@
 """transformers integration of the fast verify step: a scoped patch of ``_speculative_sampling``.
 
 ``transformers.generation.utils._assisted_decoding`` looks the module global
-``_speculative_sampling`` up at call time (transformers 5.23), so replacing that global is the one
+``_speculative_sampling`` up at call time (every version in :mod:`hf_csv._compat`), so replacing that global is the one
 narrow point we patch. Usage::
 
     from hf_csv.verify import patch_speculative_sampling
@@ -26,7 +26,6 @@ Guarantees:
 """
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 
 from hf_csv_kernels.verify import LossyVerifyWarning, VerifyResult, exact_verify, sigmoid_verify
 
-from .errors import UnsupportedVersionError
+from ._compat import speculative_gen_utils
 
 __all__ = [
     "patch_speculative_sampling",
@@ -44,45 +43,20 @@ __all__ = [
     "speculative_sampling_exact",
     "speculative_sampling_sigmoid",
     "check_transformers_version",
-    "SUPPORTED_TRANSFORMERS",
     "LossyVerifyWarning",
 ]
 
 Mode = Literal["exact", "sigmoid"]
 
-# transformers versions whose `_speculative_sampling` we read and replicate (major.minor prefix)
-SUPPORTED_TRANSFORMERS: tuple[str, ...] = ("5.23.",)
-# the stock signature we replace; checked so that a silent upstream change cannot slip through
-_STOCK_PARAMS = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits",
-                 "assistant_ensemble_weight")
-
-
 def check_transformers_version() -> Any:
-    """Import ``transformers.generation.utils`` and check version and stock signature.
+    """``transformers.generation.utils`` after checking the version and the stock signature
+    (:func:`hf_csv._compat.speculative_gen_utils`, the one place that knows each version).
 
     Raises:
-        UnsupportedVersionError: unknown transformers version, or the module global is missing or
+        UnsupportedVersionError: untested transformers version, or the module global is missing or
             has another signature.
     """
-    import transformers
-    from transformers.generation import utils as gen_utils
-
-    version = transformers.__version__
-    if not any(version.startswith(v) for v in SUPPORTED_TRANSFORMERS):
-        raise UnsupportedVersionError(
-            f"hf_csv.verify supports transformers {', '.join(v + 'x' for v in SUPPORTED_TRANSFORMERS)}; "
-            f"found {version}. The patched `_speculative_sampling` may have changed: refusing to patch."
-        )
-    fn = getattr(gen_utils, "_speculative_sampling", None)
-    if fn is None:
-        raise UnsupportedVersionError("transformers.generation.utils._speculative_sampling not found")
-    target = getattr(fn, "__hf_csv_original__", fn)
-    params = tuple(inspect.signature(target).parameters)
-    if params != _STOCK_PARAMS:
-        raise UnsupportedVersionError(
-            f"unexpected _speculative_sampling signature {params}; expected {_STOCK_PARAMS}"
-        )
-    return gen_utils
+    return speculative_gen_utils()[0]
 
 
 def _adapt(
@@ -169,7 +143,7 @@ class SpeculativePatch:
 
 
 _lock = threading.RLock()
-_installed: dict[str, Any] = {"depth": 0, "original": None, "module": None}
+_installed: dict[str, Any] = {"depth": 0, "original": None, "module": None, "extra": None}
 _local = threading.local()
 
 
@@ -185,22 +159,33 @@ def _dispatch(
     candidate_logits: torch.Tensor,
     candidate_length: int,
     new_logits: torch.Tensor,
-    assistant_ensemble_weight: float | None = None,
+    *args: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Installed in place of the stock global: routes to this thread's innermost scope, or to
-    the original function for threads outside any scope."""
+    the original function for threads outside any scope.
+
+    The fifth argument is the version's (:mod:`hf_csv._compat`): 5.x ``assistant_ensemble_weight``;
+    4.57 ``is_done_candidate``, where stock keeps the L drafts without a bonus token when all are
+    accepted and the last one ends the sequence (the bonus draw is discarded: the law is unchanged).
+    """
     st = getattr(_local, "stack", None)
     if not st:
         return _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
-            candidate_input_ids, candidate_logits, candidate_length, new_logits,
-            assistant_ensemble_weight=assistant_ensemble_weight,
-        )
+            candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     h = st[-1]
+    extra_name = _installed["extra"]
+    extra = args[0] if args else kwargs.get(extra_name)
+    weight = extra if extra_name == "assistant_ensemble_weight" else None
     valid, n = _IMPLS[h.mode](candidate_input_ids, candidate_logits, candidate_length, new_logits,
-                              assistant_ensemble_weight, generator=h.generator)
+                              weight, generator=h.generator)
+    L = int(candidate_length)
+    accepted = valid.shape[1] - 1
+    if extra_name == "is_done_candidate" and extra and valid.shape[1] == L + 1:
+        valid, n = valid[:, :L], n - 1
     h.calls += 1
-    h.drafted += int(candidate_length)
-    h.accepted += valid.shape[1] - 1
+    h.drafted += L
+    h.accepted += accepted
     return valid, n
 
 
@@ -222,7 +207,7 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
         self.handle = SpeculativePatch(mode=mode, generator=generator)
 
     def __enter__(self) -> SpeculativePatch:
-        gen_utils = check_transformers_version()
+        gen_utils, sup = speculative_gen_utils()
         if self.handle.mode == "sigmoid":
             warnings.warn(
                 "hf_csv sigmoid verify is LOSSY: assisted sampling will not follow the target model's "
@@ -236,7 +221,7 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
                 if current is _dispatch:  # left behind by a foreign restore order; reuse its original
                     current = _dispatch.__hf_csv_original__  # type: ignore[attr-defined]
                 _dispatch.__hf_csv_original__ = current  # type: ignore[attr-defined]
-                _installed.update(original=current, module=gen_utils)
+                _installed.update(original=current, module=gen_utils, extra=sup.speculative_extra)
                 gen_utils._speculative_sampling = _dispatch
             _installed["depth"] += 1
         _stack().append(self.handle)

@@ -21,6 +21,19 @@ def model_dir(name: str) -> pathlib.Path:
     return d
 
 
+def tokenizer(d, **kwargs):
+    """The prepared model's tokenizer. The prepared folders are written by transformers 5.x, whose
+    tokenizer_config names ``TokenizersBackend``; transformers 4.57 does not know that class, so the
+    smoke job (.ci/run) reads the same tokenizer.json through ``PreTrainedTokenizerFast``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(d, **kwargs)
+    except ValueError:
+        kwargs.setdefault("model_input_names", ["input_ids", "attention_mask"])
+        return PreTrainedTokenizerFast.from_pretrained(d, **kwargs)
+
+
 @pytest.fixture(params=["reference", "cpu"])
 def kernel_backend(request, monkeypatch):
     """Run a test under each CPU kernel backend (fbgemm fast path and the plain reference)."""

@@ -1,6 +1,7 @@
 """model.generate(..., csv_config=...): token identity with stock, mode choice, restore, exact sampling."""
 from __future__ import annotations
 
+import copy
 import json
 import threading
 
@@ -12,11 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 
 import hf_csv
 from hf_csv import CSVConfig
-from hf_csv._compat import check_transformers_version
+from hf_csv._compat import check_transformers_version, unsupported_reason
 from hf_csv.errors import UnsupportedVersionError
 from hf_csv.generation import classify_processor
 
-from conftest import SHARED, model_dir
+from conftest import SHARED, model_dir, tokenizer
 
 ALPHA = 1e-3  # significance level of the chi-square tests (fixed seeds)
 
@@ -60,9 +61,34 @@ def test_config_rejects_bad_values(kw, field):
 
 
 def test_version_gate():
-    with pytest.raises(UnsupportedVersionError):
-        check_transformers_version("4.57.0")
-    assert check_transformers_version("5.23.1") == "5.23.1"
+    for v in ("4.57.0", "4.57.6", "5.20.0", "5.21.1", "5.22.3", "5.23.1"):
+        assert check_transformers_version(v) == v and unsupported_reason(v) is None
+    for v in ("4.56.2", "5.19.0", "5.24.0", "6.0.0"):
+        assert "not a tested version" in unsupported_reason(v)
+        with pytest.raises(UnsupportedVersionError, match=v.replace(".", r"\.")):
+            check_transformers_version(v)
+
+
+def test_untested_transformers_version_warns_once_and_uses_the_full_head(monkeypatch):
+    """A newer transformers: no refusal at import or enable; one warning; stock tokens; the reason in stats."""
+    import transformers
+    import hf_csv.generation as g
+
+    monkeypatch.delenv("HF_CSV_ALLOW_UNTESTED", raising=False)
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(g, "_WARNED", [])
+    ref = tiny_llama(scale=20.0)
+    with pytest.warns(UserWarning, match="5.99.0"):
+        m = hf_csv.enable(copy.deepcopy(ref))
+    ids = torch.randint(0, 200, (2, 5))
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")  # once per process: the certified call does not warn again
+        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=CSVConfig())
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=6, do_sample=False))
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and st["head_calls"] == 0 and "5.99.0" in st["reasons"][0]
+    assert m.lm_head is m._modules["lm_head"] and type(m.lm_head) is torch.nn.Linear  # nothing swapped
 
 
 # ------------------------------------------------------------------ stock without csv_config
@@ -258,10 +284,10 @@ def _prompts(k=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smollm2_greedy_identical(dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d = model_dir("smollm2-135m")
-    tok = AutoTokenizer.from_pretrained(d)
+    tok = tokenizer(d)
     m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval())
     for prompt in _prompts(2):
         x = tok(prompt, return_tensors="pt")

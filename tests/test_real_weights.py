@@ -4,17 +4,17 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED, model_dir
+from conftest import SHARED, model_dir, tokenizer
 from hf_csv.certificate import CertifiedHead
 from hf_csv.index import VocabIndex
 
 
 @pytest.fixture(scope="module")
 def smol():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d = model_dir("smollm2-135m")
-    tok = AutoTokenizer.from_pretrained(d)
+    tok = tokenizer(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     prompts = [json.loads(l)["prompt"] for l in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()]
     ids = tok("\n\n".join(prompts), return_tensors="pt").input_ids[:, :320]

@@ -18,7 +18,7 @@ from scipy import stats as sps
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hf_csv
-from conftest import SHARED, model_dir
+from conftest import SHARED, model_dir, tokenizer
 from hf_csv import CertifiedHead, CSVConfig
 from hf_csv.errors import CSVError, FingerprintMismatchError
 from test_generate import _ids, tiny_llama
@@ -73,10 +73,10 @@ def F_linear(H, W):
 def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect):
     """transformers fills in top_k=50 for do_sample=True: every certified draw is in stock's top-50
     (auto: checked top-K + stock sampler; mode="sample": the draw inside the head)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d = model_dir("smollm2-135m")
-    tok = AutoTokenizer.from_pretrained(d)
+    tok = tokenizer(d)
     m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
     prompt = json.loads((SHARED / "models" / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     x = tok(prompt, return_tensors="pt")
@@ -391,10 +391,10 @@ def test_guard_catches_an_unregistered_post_head_transform():
 def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype):
     """T 0.7, top_k 20, top_p 0.8, repetition_penalty 1.05 (Qwen2.5's shipped defaults): the checked top-K
     hands top-p and stock's sampler stock's own vector, so the same seed gives stock's tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d = model_dir("smollm2-135m")
-    tok = AutoTokenizer.from_pretrained(d, padding_side="left")
+    tok = tokenizer(d, padding_side="left")
     m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval())
     prompts = [json.loads(line)["prompt"] for line in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()[:3]]
     x = tok(prompts, return_tensors="pt", padding=True)

@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import inspect
+
 from scipy import stats
 
 import hf_csv_kernels.verify as kv
@@ -31,6 +33,19 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation import utils as gen_utils  # noqa: E402
 
 STOCK = gen_utils._speculative_sampling
+_EXTRA = tuple(inspect.signature(STOCK).parameters)[4]  # 5.x: assistant_ensemble_weight; 4.57: is_done_candidate
+
+
+_X = (False,) if _EXTRA == "is_done_candidate" else ()  # the fifth argument stock's caller passes
+
+
+def stock(*args, **kw):
+    """Stock ``_speculative_sampling`` (4.57: is_done_candidate=False; its ensemble weight does not exist)."""
+    if _EXTRA == "is_done_candidate":
+        if kw.pop("assistant_ensemble_weight", None) is not None:
+            pytest.skip("transformers 4.57 has no assistant_ensemble_weight")
+        kw.setdefault("is_done_candidate", False)
+    return STOCK(*args, **kw)
 ALPHA = 0.001  # significance level of every statistical test in this file
 
 
@@ -151,7 +166,7 @@ def run_stock(zp, zq, drafts, seed, **kw) -> list[tuple[int, ...]]:
     out = []
     for d in drafts:
         cand = torch.cat([prefix, d[None]], 1)
-        valid, _ = STOCK(cand, zq[None], L, zp[None], **kw)
+        valid, _ = stock(cand, zq[None], L, zp[None], **kw)
         out.append(tuple(valid[0].tolist()))
     return out
 
@@ -203,6 +218,37 @@ def test_ensemble_weight_matches_stock():
     ours = Counter((len(s) - 1, s[-1]) for s in run_ours(zp, zq, drafts, g, ensemble_weight=0.6))
     stock = Counter((len(s) - 1, s[-1]) for s in run_stock(zp, zq, drafts, 3, assistant_ensemble_weight=0.6))
     assert two_sample_pvalue(ours, stock) > ALPHA
+
+
+def test_is_done_candidate_keeps_the_drafts_without_a_bonus(monkeypatch):
+    """transformers 4.57's contract: when every draft is accepted and the last one ends the sequence,
+    return the L drafts and n = L - 1 (no bonus token). Exercised on every version through the dispatch."""
+    import hf_csv.verify as hv
+
+    zp, zq, g = make_case(32, 3, seed=30)
+    zp = torch.cat([zq, zp[-1:]])  # p == q on the drafted positions: every draft is accepted
+    d = draw_drafts(zq, 1, g)[0]
+    cand = torch.cat([torch.zeros(2, dtype=torch.long), d])[None]
+    with patch_speculative_sampling():
+        monkeypatch.setitem(hv._installed, "extra", "is_done_candidate")
+        v, n = gen_utils._speculative_sampling(cand, zq[None], 3, zp[None], True)
+        assert v[0].tolist() == d.tolist() and int(n) == 2
+        v, n = gen_utils._speculative_sampling(cand, zq[None], 3, zp[None], False)
+        assert v.shape[1] == 4 and v[0, :3].tolist() == d.tolist() and int(n) == 3
+        monkeypatch.setitem(hv._installed, "extra", "assistant_ensemble_weight")
+
+
+@pytest.mark.skipif(_EXTRA != "is_done_candidate", reason="transformers 4.57 only")
+def test_is_done_candidate_law_matches_stock_457():
+    """4.57, is_done_candidate=True: the patched verify's law equals stock's (alpha = ALPHA)."""
+    zp, zq, g = make_case(12, 2, seed=31)
+    drafts = draw_drafts(zq, 6000, g)
+    with patch_speculative_sampling():
+        ours = Counter(tuple(gen_utils._speculative_sampling(torch.cat([torch.zeros(1, 3, dtype=torch.long), d[None]], 1),
+                                                             zq[None], 2, zp[None], True)[0][0].tolist())
+                       for d in drafts)
+    theirs = Counter(run_stock(zp, zq, drafts, 5, is_done_candidate=True))
+    assert two_sample_pvalue(ours, theirs) > ALPHA
 
 
 @pytest.mark.parametrize("V", [2048 + 77, 5000])
@@ -320,7 +366,7 @@ def test_stock_signature_shapes_and_dtypes(L):
     zp, zq, g = make_case(64, L, seed=17)
     d = draw_drafts(zq, 1, g)[0]
     cand = torch.cat([torch.zeros(4, dtype=torch.long), d])[None]
-    v1, n1 = STOCK(cand, zq[None], L, zp[None])
+    v1, n1 = stock(cand, zq[None], L, zp[None])
     v2, n2 = speculative_sampling_exact(cand, zq[None], L, zp[None])
     assert v2.dtype == v1.dtype and v2.dim() == v1.dim() == 2 and v2.shape[0] == 1
     assert n2.dtype == n1.dtype and n2.dim() == n1.dim() == 0
@@ -416,7 +462,7 @@ def test_patch_is_thread_local():
         with patch_speculative_sampling() as h:
             entered.set()
             release.wait(10)
-            gen_utils._speculative_sampling(cand, zq[None], 2, zp[None])
+            gen_utils._speculative_sampling(cand, zq[None], 2, zp[None], *_X)
             other["calls"] = h.calls
 
     t = threading.Thread(target=worker)
@@ -424,9 +470,9 @@ def test_patch_is_thread_local():
     assert entered.wait(10)
     assert gen_utils._speculative_sampling is not STOCK
     with patch_speculative_sampling() as mine:
-        gen_utils._speculative_sampling(cand, zq[None], 2, zp[None])
+        gen_utils._speculative_sampling(cand, zq[None], 2, zp[None], *_X)
     assert gen_utils._speculative_sampling is not STOCK  # the worker's scope keeps it installed
-    gen_utils._speculative_sampling(cand, zq[None], 2, zp[None])  # this thread: no scope -> stock
+    gen_utils._speculative_sampling(cand, zq[None], 2, zp[None], *_X)  # this thread: no scope -> stock
     release.set()
     t.join(10)
     assert mine.calls == 1 and other["calls"] == 1
