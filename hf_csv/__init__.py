@@ -22,6 +22,8 @@ _LAZY = {
     "install": "hf_csv.generation",
     "uninstall": "hf_csv.generation",
     "refresh": "hf_csv.generation",
+    "custom_generate": "hf_csv.generation",
+    "CSVArtifact": "hf_csv.artifact",
     "CSVLogitsProcessor": "hf_csv.processors",
     "patch_speculative_sampling": "hf_csv.verify",
 }

@@ -18,7 +18,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from hf_csv_kernels import get_op, quantize_rows_fp8, quantize_rows_int8, unit_roundoff
+from hf_csv_kernels import Int8Rows, get_op, quantize_rows_fp8, quantize_rows_int8, unit_roundoff
 from hf_csv_kernels.screen import prepare_screen
 
 from .index import VocabIndex
@@ -48,7 +48,7 @@ class ScreenProvider:
     name = "screen"
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
-                 outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8"):
+                 outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8", rows: Optional[Int8Rows] = None):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be [V, d], got {tuple(weight.shape)}")
         self.vocab_size, self.hidden_size = weight.shape
@@ -59,8 +59,12 @@ class ScreenProvider:
             raise ValueError(f"screen quant must be 'int8' or 'fp8' (e4m3), got {quant!r}")
         self.quant = quant
         # fp8 e4m3: decoded exactly inside the Triton screen (any CUDA GPU); weight-only reference on CPU
-        self.rows = (quantize_rows_int8 if quant == "int8" else quantize_rows_fp8)(weight.detach())
-        self.num_outliers = min(int(num_outliers), self.hidden_size)
+        # rows: from a saved artifact, error terms already recomputed from this weight (hf_csv.artifact)
+        self.rows = rows if rows is not None else (quantize_rows_int8 if quant == "int8" else quantize_rows_fp8)(
+            weight.detach())
+        if tuple(self.rows.q.shape) != tuple(weight.shape):
+            raise ValueError(f"screen rows {tuple(self.rows.q.shape)} do not fit the head {tuple(weight.shape)}")
+        self.num_outliers = min(int(num_outliers if outlier_cols is None else outlier_cols.numel()), self.hidden_size)
         self.state = None
         self._calibrating = threading.Lock()  # concurrent first calls calibrate once
         if outlier_cols is not None or self.num_outliers == 0:

@@ -15,6 +15,7 @@ tokens or clusters. This module does not import transformers.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -114,8 +115,10 @@ class CertifiedHead:
         self.bias_native = None if bias is None else bias.detach()  # for the stock op, in its own dtype
         self.bias = None if bias is None else bias.detach().float()
         self.vocab_size, self.hidden_size = weight.shape
-        if isinstance(index, str):
-            index = VocabIndex.from_pretrained(index)
+        if isinstance(index, (str, os.PathLike)):
+            from .artifact import CSVArtifact
+
+            index = CSVArtifact.from_pretrained(index).index
         if isinstance(provider, str):
             provider = make_provider(provider, self.weight, self.bias, index=index, **provider_kwargs)
         self.provider = provider
@@ -126,8 +129,11 @@ class CertifiedHead:
             raise ValueError(f"budget must allow at least one candidate, got {budget}")
         self._gather = get_op("gather_gemv", weight.device)
         self._gam = gamma(self.hidden_size + 2)
-        # ||W_i||_1 (rounded up) for the recompute's accumulation margin, chunked to avoid an fp32 copy
-        self._abs_l1 = torch.cat([c.float().abs().sum(1) for c in self.weight.split(16384)]) * (1 + 1e-6)
+        # ||W_i||_1 (rounded up) for the recompute's accumulation margin: the screen's (>= ||W_i||_1, from this
+        # weight), else chunked to avoid an fp32 copy
+        rows = getattr(provider, "rows", None)
+        self._abs_l1 = (rows.abs_l1 if rows is not None and tuple(rows.q.shape) == tuple(weight.shape) else
+                        torch.cat([c.float().abs().sum(1) for c in self.weight.split(16384)])) * (1 + 1e-6)
         # stock's GEMM errs by at most γ·(max ||W_i||_1·||h||_∞ + max |b_i|) on any token (scalar per row)
         self._l1_max = float(self._abs_l1.max()) * (1 + 1e-6)
         self._b_max = float(self.bias.abs().max()) * (1 + 1e-6) if self.bias is not None else 0.0

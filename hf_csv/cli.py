@@ -1,6 +1,8 @@
-"""``hf-csv``: build, push, pull and inspect vocabulary indices; run the benchmarks.
+"""``hf-csv``: build, push, pull and inspect artifacts (int8 screen + optional cluster index); publish a
+certified ``custom_generate`` model repository; run the benchmarks.
 
-    hf-csv build MODEL --out DIR [--num-clusters C] [--metric euclidean|spherical]
+    hf-csv build MODEL --out DIR [--quant int8|fp8] [--index [--num-clusters C] [--metric ...]]
+    hf-csv push-model MODEL REPO_ID [--artifact DIR] [--no-weights] [--private]
     hf-csv push DIR REPO_ID [--revision BRANCH] [--private]
     hf-csv pull REPO_ID --out DIR [--revision REV]
     hf-csv inspect DIR_OR_REPO [--revision REV]
@@ -27,8 +29,8 @@ class CLIError(Exception):
     """A user error: printed without a traceback, exit status 2."""
 
 
-def _load_head(model: str, revision: Optional[str]):
-    """Only the output embedding (and bias) of a local model dir or Hub repo id."""
+def _load_model(model: str, revision: Optional[str]):
+    """A local model directory or Hub repo id, loaded in float32 (LM or speech seq2seq)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSpeechSeq2Seq
 
@@ -37,45 +39,121 @@ def _load_head(model: str, revision: Optional[str]):
     except (OSError, ValueError) as e:
         raise CLIError(f"cannot load a model config from {model!r}: {e}") from e
     cls = AutoModelForSpeechSeq2Seq if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
-    m = cls.from_pretrained(model, revision=revision, dtype=torch.float32)
+    return cls.from_pretrained(model, revision=revision, dtype=torch.float32).eval()
+
+
+def _calibration_cols(m, num_outliers: int):
+    """The ``num_outliers`` columns of the head's input with the largest magnitude on a short dummy
+    input (the model's massive activations); None when the model cannot be run that way. Any choice is
+    sound; a good one keeps the screen tight."""
+    import torch
+
+    head = m.get_output_embeddings()
+    seen = []
+    h = head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            V = head.weight.shape[0]
+            ids = (torch.arange(1, 33) * 7919 % V)[None]
+            if getattr(m.config, "is_encoder_decoder", False):
+                feats = torch.zeros(1, m.config.num_mel_bins, 2 * m.config.max_source_positions)
+                start = m.config.decoder_start_token_id or 0
+                m(input_features=feats, decoder_input_ids=torch.full((1, 4), start))
+            else:
+                m(input_ids=ids)
+    except Exception as e:  # an exotic model: leave the choice to the first certified call
+        print(f"(calibration skipped: {type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    finally:
+        h.remove()
+    H = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).float()
+    return H.abs().amax(0).topk(min(num_outliers, H.shape[1])).indices.sort().values
+
+
+def _build_artifact(a: argparse.Namespace):
+    from .artifact import CSVArtifact
+
+    m = _load_model(a.model, a.revision)
     head = m.get_output_embeddings()
     if head is None:
-        raise CLIError(f"{model!r} has no output embeddings (LM head)")
+        raise CLIError(f"{a.model!r} has no output embeddings (LM head)")
     bias = getattr(head, "bias", None)
-    name = getattr(cfg, "_name_or_path", None) or model
-    return head.weight.detach(), (bias.detach() if bias is not None else None), name
+    t0 = time.perf_counter()
+    cols = _calibration_cols(m, a.num_outliers) if a.num_outliers else None
+    art = CSVArtifact.build(head.weight.detach(), None if bias is None else bias.detach(), screen=not a.no_screen,
+                            quant=a.quant, outlier_cols=cols, index=a.index, num_clusters=a.num_clusters,
+                            metric=a.metric, niter=a.niter, seed=a.seed,
+                            base_model=a.base_model or (None if Path(a.model).exists() else a.model))
+    art.config.stats["build_seconds"] = round(time.perf_counter() - t0, 1)
+    return m, art
 
 
 def cmd_build(a: argparse.Namespace) -> int:
-    from .index import VocabIndex
-
-    W, b, name = _load_head(a.model, a.revision)
-    t0 = time.perf_counter()
-    ix = VocabIndex.build(W, b, num_clusters=a.num_clusters, metric=a.metric, niter=a.niter, seed=a.seed,
-                          base_model=a.base_model or (None if Path(a.model).exists() else a.model))
-    ix.config.stats["build_seconds"] = round(time.perf_counter() - t0, 1)
-    ix.save_pretrained(a.out)
-    print(f"built {ix} in {ix.config.stats['build_seconds']} s -> {a.out}")
+    _, art = _build_artifact(a)
+    art.save_pretrained(a.out)
+    print(f"built {art} in {art.config.stats['build_seconds']} s -> {a.out}")
     return 0
 
 
 def cmd_push(a: argparse.Namespace) -> int:
-    from .index import VocabIndex
+    from .artifact import CSVArtifact
 
     if not Path(a.dir).is_dir():
         raise CLIError(f"{a.dir!r} is not a directory")
-    ix = VocabIndex.from_pretrained(a.dir)
-    info = ix.push_to_hub(a.repo_id, revision=a.revision, private=a.private, endpoint=a.endpoint)
-    print(f"pushed {ix} to {a.repo_id}: {getattr(info, 'commit_url', info)}")
+    art = CSVArtifact.from_pretrained(a.dir)
+    info = art.push_to_hub(a.repo_id, revision=a.revision, private=a.private, endpoint=a.endpoint)
+    print(f"pushed {art} to {a.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0
+
+
+def _model_folder(model: str, revision: Optional[str], endpoint: Optional[str]) -> Path:
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, revision=revision, endpoint=endpoint))
+
+
+def cmd_push_model(a: argparse.Namespace) -> int:
+    """Model files + artifact + custom_generate folder, one commit: ``from_pretrained(REPO,
+    trust_remote_code=True).generate(...)`` is then certified decoding."""
+    import re
+    import tempfile
+
+    from . import hub
+    from .artifact import CSVArtifact
+
+    if a.artifact:
+        art = CSVArtifact.from_pretrained(a.artifact)
+    else:
+        _, art = _build_artifact(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not a.no_weights:  # the model's own files (weights, config, tokenizer / processor)
+            src = _model_folder(a.model, a.revision, a.endpoint)
+            for f in src.iterdir():
+                if f.is_file() and not f.name.startswith(".") and f.name not in ("README.md",):
+                    shutil.copyfile(f, Path(tmp) / f.name)
+        art.save_pretrained(tmp, custom_generate=True)
+        cg = Path(tmp) / "custom_generate"
+        hub.copy_folder(hub.custom_generate_folder(), cg)
+        code = (cg / "generate.py").read_text()
+        defaults = {"index": a.repo_id} if not a.no_default_artifact else {}
+        code, n = re.subn(r"^CSV_CONFIG_DEFAULTS: dict = \{\}$", f"CSV_CONFIG_DEFAULTS: dict = {defaults!r}", code,
+                          flags=re.M)
+        assert n == 1, "custom_generate template: CSV_CONFIG_DEFAULTS line not found"
+        (cg / "generate.py").write_text(code)
+        info = hub.upload(tmp, a.repo_id, revision=a.push_revision, private=a.private, endpoint=a.endpoint,
+                          commit_message=f"hf_csv: certified custom_generate + artifact ({art.config.fingerprint})")
+    print(f"pushed model + {art} + custom_generate to {a.repo_id}: {getattr(info, 'commit_url', info)}")
     return 0
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from .hub import download_index
-    from .index import VocabIndex
+    from . import hub
+    from .artifact import ARTIFACT_FILES, CSVArtifact
 
-    path = download_index(a.repo_id, revision=a.revision, endpoint=a.endpoint)
-    VocabIndex.from_pretrained(path)  # verifies the sha256 before anything is copied
+    path = hub.download(a.repo_id, ARTIFACT_FILES, revision=a.revision, endpoint=a.endpoint)
+    CSVArtifact.from_pretrained(path)  # verifies the sha256s before anything is copied
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for f in Path(path).iterdir():
@@ -85,12 +163,10 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from dataclasses import asdict
+    from .artifact import CSVArtifact
 
-    from .index import VocabIndex
-
-    ix = VocabIndex.from_pretrained(a.index, revision=a.revision, endpoint=a.endpoint)
-    print(json.dumps(asdict(ix.config), indent=2, sort_keys=True))
+    art = CSVArtifact.from_pretrained(a.index, revision=a.revision, endpoint=a.endpoint)
+    print(json.dumps(art.describe(), indent=2, sort_keys=True))
     return 0
 
 
@@ -105,18 +181,37 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-csv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="build a vocabulary index from a model's LM head")
-    b.add_argument("model", help="local model directory or Hub repo id")
+    def build_args(b: argparse.ArgumentParser) -> None:
+        b.add_argument("model", help="local model directory or Hub repo id")
+        b.add_argument("--quant", choices=["int8", "fp8"], default="int8", help="screen codes (default int8)")
+        b.add_argument("--num-outliers", type=int, default=16, help="columns of h kept exact, calibrated (0: at "
+                       "the first call)")
+        b.add_argument("--no-screen", action="store_true", help="leave the screen out")
+        b.add_argument("--index", action="store_true", help="also build the paper's FAISS cluster index")
+        b.add_argument("--num-clusters", type=int, default=None, help="clusters (default ~2*sqrt(V), at most 1024)")
+        b.add_argument("--metric", choices=["euclidean", "spherical"], default="euclidean")
+        b.add_argument("--niter", type=int, default=10)
+        b.add_argument("--seed", type=int, default=0)
+        b.add_argument("--revision", default=None)
+        b.add_argument("--base-model", default=None, help="base_model written into the model card")
+
+    b = sub.add_parser("build", help="build an artifact (int8 screen, optionally a cluster index) from a model's head")
+    build_args(b)
     b.add_argument("--out", required=True, help="output directory")
-    b.add_argument("--num-clusters", type=int, default=None, help="clusters (default ~2*sqrt(V), at most 1024)")
-    b.add_argument("--metric", choices=["euclidean", "spherical"], default="euclidean")
-    b.add_argument("--niter", type=int, default=10)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--revision", default=None)
-    b.add_argument("--base-model", default=None, help="base_model written into the model card")
     b.set_defaults(fn=cmd_build)
-    for name, helptext in (("push", "upload an index directory to the Hub"), ("pull", "download an index"),
-                           ("inspect", "print an index's parameters and fingerprint")):
+    pm = sub.add_parser("push-model", help="publish model files + artifact + custom_generate into one repository")
+    build_args(pm)
+    pm.add_argument("repo_id")
+    pm.add_argument("--artifact", default=None, help="a built artifact directory (default: build one now)")
+    pm.add_argument("--no-weights", action="store_true", help="the repository already holds the model's files")
+    pm.add_argument("--no-default-artifact", action="store_true",
+                    help="custom_generate does not default to this repository's artifact")
+    pm.add_argument("--push-revision", default=None, help="branch to push to (default main)")
+    pm.add_argument("--private", action="store_true")
+    pm.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    pm.set_defaults(fn=cmd_push_model)
+    for name, helptext in (("push", "upload an artifact directory to the Hub"), ("pull", "download an artifact"),
+                           ("inspect", "print what an artifact holds, its sizes and fingerprint")):
         s = sub.add_parser(name, help=helptext)
         if name == "push":
             s.add_argument("dir")
@@ -126,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("repo_id")
             s.add_argument("--out", required=True)
         else:
-            s.add_argument("index", help="index directory or Hub repo id")
+            s.add_argument("index", help="artifact directory or Hub repo id")
         s.add_argument("--revision", default=None)
         s.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
         s.set_defaults(fn={"push": cmd_push, "pull": cmd_pull, "inspect": cmd_inspect}[name])

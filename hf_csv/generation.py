@@ -37,7 +37,7 @@ from .policy import classify_processor, decide_mode, whisper_log_prob_reason
 from .scope import certified, new_session
 
 __all__ = ["enable", "disable", "install", "uninstall", "refresh", "decide_mode", "classify_processor",
-           "csv_generate"]
+           "csv_generate", "custom_generate"]
 
 
 _WARNED: list = []
@@ -121,6 +121,31 @@ def _generate(self: nn.Module, *args: Any, csv_config: Optional[CSVConfig] = Non
 
 
 _generate._hf_csv = True
+
+
+def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig] = None,
+                    defaults: Optional[dict] = None, **kwargs: Any) -> Any:
+    """The body of the Hub ``custom_generate/generate.py`` template (``hf-csv push-model``).
+
+    transformers calls it with ``model=`` and every argument of ``generate`` (``None`` where unset),
+    per call (``generate(..., custom_generate=REPO, trust_remote_code=True)``) or as the model's
+    ``generate`` (a model repository with a ``custom_generate`` folder, loaded with
+    ``trust_remote_code=True``). ``csv_config``: the caller's, else ``defaults`` (what the repository
+    stores: its own artifact), else an artifact saved beside the model's weights, else ``CSVConfig()``.
+    Runs the class's ``generate`` under :func:`csv_generate`: the guarantees are those of a certified call.
+    """
+    if csv_config is None:
+        csv_config = dict(defaults or {})
+        if "index" not in csv_config:
+            from pathlib import Path
+
+            from .artifact import CONFIG_NAME
+
+            src = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
+            if src and (Path(src) / CONFIG_NAME).is_file():
+                csv_config["index"] = src
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # transformers passes every unset argument as None
+    return csv_generate(model, functools.partial(type(model).generate, model), csv_config, args, kwargs)
 
 
 def enable(model: nn.Module) -> nn.Module:

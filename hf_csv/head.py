@@ -186,26 +186,44 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
         ch = per.get(key)
         # the cache is keyed on the module; a changed or updated weight tensor invalidates it
         if ch is None or getattr(ch, "_src_key", None) != _weight_key(head):
-            index = config.index
-            if index is not None and not hasattr(index, "check_head"):
-                from .index import VocabIndex
-
-                index = VocabIndex.from_pretrained(index, revision=config.revision)
+            art, index = _artifact_of(config)
             from .distributed import local_shard_of
 
-            if index is not None and local_shard_of(head.weight) is None:
-                # any index given must be the one built for this head, whatever the provider
-                index.check_head(head.weight.detach(), None if head.bias is None else head.bias.detach())
+            if (art or index) is not None and local_shard_of(head.weight) is None:
+                # any artifact given must be the one built for this head, whatever the provider
+                (art or index).check_head(head.weight.detach(), None if head.bias is None else head.bias.detach())
             if config.vocab_parallel is not None or local_shard_of(head.weight) is not None:
                 ch = _vocab_parallel_head(head, config, index)
             else:
+                kw = {}
+                if config.provider == "screen":
+                    kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant}
+                    if art is not None and art.screen is not None and art.screen.quant == config.screen_quant:
+                        # skip the quantization: the stored codes, error terms recomputed from this head
+                        kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols)
+                elif index is None:
+                    raise CSVError("provider='cluster' needs a cluster index; this artifact has none "
+                                   "(hf-csv build --index)")
                 ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
-                                   budget=config.budget,
-                                   **({"num_outliers": config.num_outliers, "quant": config.screen_quant}
-                                      if config.provider == "screen" else {}))
+                                   budget=config.budget, **kw)
             ch._src_key = _weight_key(head)
             per[key] = ch
     return ch
+
+
+def _artifact_of(config: CSVConfig) -> tuple:
+    """(artifact or None, cluster index or None) from ``config.index``: a directory or Hub repo id, a
+    :class:`hf_csv.artifact.CSVArtifact`, or a :class:`hf_csv.index.VocabIndex`."""
+    index = config.index
+    if index is None:
+        return None, None
+    if not hasattr(index, "check_head"):
+        from .artifact import CSVArtifact
+
+        index = CSVArtifact.from_pretrained(index, revision=config.revision)
+    if hasattr(index, "screen"):  # a CSVArtifact
+        return index, index.index
+    return None, index
 
 
 def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
@@ -226,9 +244,9 @@ def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
             bias = bias.to_local() if hasattr(bias, "to_local") else bias[ids]
     else:
         if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
-            from .index import VocabIndex
+            from .artifact import CSVArtifact
 
-            index = VocabIndex.from_pretrained(index)
+            index = CSVArtifact.from_pretrained(index).index
         ids = shard_tokens(V, dist.get_world_size(), config.vocab_parallel, index)[dist.get_rank()]
         ids = ids.to(head.weight.device)
         contiguous = ids.numel() == 0 or int(ids[-1] - ids[0]) + 1 == ids.numel()

@@ -1,110 +1,119 @@
-"""Hub artifacts for :class:`hf_csv.index.VocabIndex`: pull, push and the model card.
+"""Hub transport for hf_csv artifacts: download, upload, the model card and the ``custom_generate`` folder.
 
-An index repo on the Hub holds exactly what ``VocabIndex.save_pretrained`` writes:
-``csv_index_config.json`` (the :class:`IndexConfig`, including the head fingerprint and the
-sha256 of the tensors), ``csv_index.safetensors`` and a generated ``README.md`` model card.
-Downloads go through huggingface_hub's cache (``snapshot_download``), so ``revision`` pinning,
-``HF_HUB_OFFLINE=1`` and ``local_files_only`` behave as for model weights. This module does not
-import transformers.
+This module only moves files (through huggingface_hub, so ``revision`` pinning, the cache,
+``HF_HUB_OFFLINE=1`` and ``local_files_only`` behave as for model weights). The artifact format lives in
+:mod:`hf_csv.artifact`, which uses this module; this module imports neither it nor transformers.
+
+* :func:`download` / :func:`upload` — a snapshot with allow-patterns; one commit per upload.
+* :func:`write_model_card` — README.md with YAML metadata and the artifact's identity.
+* :func:`custom_generate_folder` — the repository template of ``hub/custom_generate`` (shipped in the
+  package as ``hf_csv/hub_template``): ``generate.py`` and ``requirements.txt``, which transformers 5.x
+  loads with ``generate(..., custom_generate=REPO, trust_remote_code=True)`` or, in a model repository,
+  at ``from_pretrained(..., trust_remote_code=True)``.
 """
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
-from .index import CONFIG_NAME, TENSORS_NAME
-
-if TYPE_CHECKING:
-    from .index import VocabIndex
+from .errors import IndexFormatError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["download_index", "push_to_hub", "write_model_card", "ALLOW_PATTERNS"]
-
-ALLOW_PATTERNS = [CONFIG_NAME, TENSORS_NAME, "README.md"]
+__all__ = ["download", "upload", "copy_folder", "write_model_card", "custom_generate_folder"]
 
 
-def download_index(repo_id: str, revision: Optional[str] = None, cache_dir: Optional[Union[str, os.PathLike]] = None,
-                   token: Optional[Union[str, bool]] = None, local_files_only: Optional[bool] = None,
-                   endpoint: Optional[str] = None) -> str:
-    """Download (or find in the cache) an index repo; returns the local snapshot directory.
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
 
-    ``revision`` may be a branch, tag or commit sha. With ``HF_HUB_OFFLINE=1`` (or
-    ``local_files_only=True``) only the cache is consulted.
-    """
+
+def download(repo_id: str, allow_patterns: list, revision: Optional[str] = None,
+             cache_dir: Optional[Union[str, os.PathLike]] = None, token: Optional[Union[str, bool]] = None,
+             local_files_only: Optional[bool] = None, endpoint: Optional[str] = None) -> str:
+    """Download (or find in the cache) the files of ``repo_id`` matching ``allow_patterns``; returns the
+    local snapshot directory. With ``HF_HUB_OFFLINE=1`` (or ``local_files_only=True``) only the cache is used."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     if local_files_only is None:
-        local_files_only = os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+        local_files_only = _offline()
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
-                                 local_files_only=local_files_only, allow_patterns=ALLOW_PATTERNS,
-                                 endpoint=endpoint)
+                                 local_files_only=local_files_only, allow_patterns=allow_patterns, endpoint=endpoint)
     except HFValidationError as e:
-        raise ValueError(f"{repo_id!r} is neither a local index directory nor a valid Hub repo id: {e}") from e
-    if not (Path(path) / CONFIG_NAME).is_file():
-        from .errors import IndexFormatError
-        raise IndexFormatError(f"Hub repo {repo_id!r} (revision {revision!r}) has no {CONFIG_NAME}: not an hf_csv index")
+        raise ValueError(f"{repo_id!r} is neither a local artifact directory nor a valid Hub repo id: {e}") from e
+    if not any((Path(path) / p).is_file() for p in allow_patterns if "*" not in p and p != "README.md"):
+        raise IndexFormatError(f"Hub repo {repo_id!r} (revision {revision!r}) holds no hf_csv artifact")
     return path
 
 
-def push_to_hub(index: "VocabIndex", repo_id: str, revision: Optional[str] = None, private: Optional[bool] = None,
-                token: Optional[Union[str, bool]] = None, commit_message: Optional[str] = None,
-                create_pr: bool = False, base_model: Optional[str] = None, measured: Optional[dict] = None,
-                endpoint: Optional[str] = None) -> Any:
-    """Save ``index`` to a temporary directory (with its model card) and upload it as one commit.
-
-    Returns huggingface_hub's ``CommitInfo``.
-    """
+def upload(folder: Union[str, os.PathLike], repo_id: str, revision: Optional[str] = None,
+           private: Optional[bool] = None, token: Optional[Union[str, bool]] = None, commit_message: str = "",
+           create_pr: bool = False, endpoint: Optional[str] = None) -> Any:
+    """Create the model repo (and branch) if needed and upload ``folder`` as one commit; returns
+    huggingface_hub's ``CommitInfo``."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        index.save_pretrained(tmp, base_model=base_model, measured=measured)
-        return api.upload_folder(repo_id=repo_id, folder_path=tmp, revision=revision, create_pr=create_pr,
-                                 commit_message=commit_message or f"Upload hf_csv index ({index.config.fingerprint})",
-                                 allow_patterns=ALLOW_PATTERNS)
+    return api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision, create_pr=create_pr,
+                             commit_message=commit_message or "Upload hf_csv artifact")
 
 
-def write_model_card(index: "VocabIndex", directory: Union[str, os.PathLike], base_model: Optional[str] = None,
-                     measured: Optional[dict] = None, **_: Any) -> Path:
-    """Write README.md with YAML metadata, the build parameters, fingerprint and measured figures."""
-    c = index.config
-    base = base_model or c.base_model
-    meta = ["---", "library_name: hf_csv", "tags:", "- hf_csv", "- csv-decode", "- certified-decoding"]
+def copy_folder(src: Union[str, os.PathLike], dest: Union[str, os.PathLike]) -> None:
+    """Copy a folder's files (no caches) into ``dest``."""
+    shutil.copytree(src, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def custom_generate_folder() -> Path:
+    """The ``custom_generate`` repository template shipped with hf_csv."""
+    return Path(__file__).resolve().parent / "hub_template" / "custom_generate"
+
+
+def write_model_card(directory: Union[str, os.PathLike], config: Any, base_model: Optional[str] = None,
+                     measured: Optional[dict] = None, custom_generate: bool = False) -> Path:
+    """Write README.md: YAML metadata, what the artifact holds, its fingerprint and measured figures.
+
+    ``config`` is an :class:`hf_csv.artifact.ArtifactConfig`. With ``custom_generate=True`` the card is
+    tagged ``custom_generate`` and ``library_name: transformers``, as the Hub expects of such repos."""
+    base = base_model or config.base_model
+    meta = ["---", f"library_name: {'transformers' if custom_generate else 'hf_csv'}", "tags:", "- hf_csv",
+            "- certified-decoding"]
+    if custom_generate:
+        meta.append("- custom_generate")
     if base:
         meta.append(f"base_model: {base}")
     meta.append("---")
-    figures = dict(c.stats)
+    figures = dict(config.stats)
     figures.update(measured or {})
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(figures.items())) or "| (none recorded) | |"
+    parts = ", ".join(p for p, have in (("int8 screen" if (config.screen or {}).get("quant", "int8") == "int8"
+                                         else "fp8 screen", config.screen), ("cluster index", config.index)) if have)
+    use = ("out = model.generate(**inputs, custom_generate=\"<this repo>\", trust_remote_code=True)"
+           if custom_generate else
+           "out = model.generate(**inputs, csv_config=CSVConfig(index=\"<this repo>\", revision=\"<commit>\"))")
     text = "\n".join(meta) + f"""
 
-# hf_csv vocabulary index{f' for {base}' if base else ''}
+# hf_csv artifact{f' for {base}' if base else ''}
 
-FAISS k-means clusters of an LM head's rows, for [hf_csv](https://pypi.org/project/hf-csv/) certified
-sub-vocabulary decoding. The index stores no weights of the model; it refuses to load against a head whose
-fingerprint differs.
+What [hf_csv](https://pypi.org/project/hf-csv/) needs to decode {base or 'this model'} with a certified
+sub-vocabulary head from the first call: {parts or 'nothing'}. It stores no weights of the model. It is
+refused for a head with another fingerprint, and a loaded screen's error terms are recomputed from the
+live head, so no file content can make a certificate wrong.
 
-| parameter | value |
+| field | value |
 |---|---|
-| vocab_size | {c.vocab_size} |
-| hidden_size | {c.hidden_size} |
-| num_clusters | {c.num_clusters} |
-| metric | {c.metric} |
-| niter / seed | {c.niter} / {c.seed} |
-| head bias | {c.has_bias} |
-| head dtype | {c.head_dtype} |
-| head fingerprint | `{c.fingerprint}` |
-| tensors sha256 | `{c.tensors_sha256}` |
-| format version | {c.format_version} |
+| vocab_size × hidden_size | {config.vocab_size} × {config.hidden_size} |
+| head dtype | {config.head_dtype} |
+| head bias | {config.has_bias} |
+| head fingerprint | `{config.fingerprint}` |
+| format version | {config.format_version} |
+| files (sha256) | {', '.join(f'`{k}` `{v[:16]}…`' for k, v in sorted(config.sha256.items()))} |
 
 ## Measured figures
 
@@ -112,16 +121,13 @@ fingerprint differs.
 |---|---|
 {rows}
 
-The paper's cluster bound is sound but, measured on real heads, opens almost all of the vocabulary; the
-certified int8 screen (`provider="screen"`, no index needed) is what prunes. See hf_csv's docs/benchmarks.md.
-
 ## Use
 
 ```python
 import hf_csv
 from hf_csv import CSVConfig
 model = hf_csv.enable(model)
-out = model.generate(**inputs, csv_config=CSVConfig(provider="cluster", index="<this repo>", revision="<commit>"))
+{use}
 ```
 """
     path = Path(directory) / "README.md"

@@ -1,8 +1,8 @@
 """The vocabulary index: FAISS k-means clusters of the head rows, plus a head fingerprint.
 
-An index is an artifact in the style of ``ModelHubMixin`` / peft: a JSON config
-(:class:`IndexConfig`) plus one safetensors file. It never stores the head itself;
-it records a fingerprint of it so that it can never be used with a different head.
+An index is one part of an :class:`hf_csv.artifact.CSVArtifact` (which saves, loads and pushes it:
+``CSVArtifact.build(W, index=True)``, ``CSVArtifact.from_pretrained(DIR_OR_REPO).index``). It never
+stores the head itself; it records a fingerprint of it so that it can never be used with a different head.
 
 Stored tensors (V = vocab, C = clusters, d = hidden size):
 
@@ -18,26 +18,20 @@ This module does not import transformers.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from .errors import FingerprintMismatchError, IndexFormatError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexConfig", "VocabIndex", "head_fingerprint", "default_num_clusters", "CONFIG_NAME", "TENSORS_NAME"]
+__all__ = ["IndexConfig", "VocabIndex", "head_fingerprint", "default_num_clusters"]
 
-CONFIG_NAME = "csv_index_config.json"
-TENSORS_NAME = "csv_index.safetensors"
 FORMAT_VERSION = 1
 _TENSOR_KEYS = ("centroids", "radius", "norm_min", "norm_max", "bias_max", "bias_topm", "perm", "offsets", "assignment")
 
@@ -96,14 +90,6 @@ class IndexConfig:
             raise ValueError(f"IndexConfig.num_clusters ({self.num_clusters}) exceeds vocab_size ({self.vocab_size})")
         if self.format_version > FORMAT_VERSION:
             raise IndexFormatError(f"index format {self.format_version} is newer than this hf_csv ({FORMAT_VERSION})")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class VocabIndex:
@@ -229,69 +215,3 @@ class VocabIndex:
 
     def to(self, device: Union[str, torch.device]) -> "VocabIndex":
         return VocabIndex(self.config, {k: v.to(device) for k, v in self.tensors.items()})
-
-    # ------------------------------------------------------------ save / load
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> Path:
-        """Write ``csv_index_config.json`` and ``csv_index.safetensors`` (with its sha256).
-
-        Also writes a README.md model card; extra kwargs (``base_model``, ``measured``) go to
-        :func:`hf_csv.hub.write_model_card`.
-        """
-        out = Path(save_directory)
-        out.mkdir(parents=True, exist_ok=True)
-        tpath = out / TENSORS_NAME
-        tmp = out / (TENSORS_NAME + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}, str(tmp),
-                  metadata={"format": "pt", "hf_csv_format": str(FORMAT_VERSION)})
-        os.replace(tmp, tpath)
-        self.config.tensors_sha256 = _file_sha256(tpath)
-        (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2, sort_keys=True) + "\n")
-        from .hub import write_model_card
-
-        write_model_card(self, out, **kwargs)
-        return out
-
-    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
-        """Upload this index (config, safetensors, model card) to the Hub; see :func:`hf_csv.hub.push_to_hub`."""
-        from .hub import push_to_hub
-
-        return push_to_hub(self, repo_id, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, pretrained: Union[str, os.PathLike], revision: Optional[str] = None,
-                        device: Union[str, torch.device] = "cpu", verify: bool = True, **hub_kwargs: Any) -> "VocabIndex":
-        """Load from a local directory, or from the Hub (``revision`` pinned) via :mod:`hf_csv.hub`."""
-        path = Path(pretrained)
-        if not path.is_dir():
-            from .hub import download_index  # huggingface_hub path
-            path = Path(download_index(str(pretrained), revision=revision, **hub_kwargs))
-        return cls._load_dir(path, device=device, verify=verify)
-
-    @classmethod
-    def _load_dir(cls, path: Path, device: Union[str, torch.device] = "cpu", verify: bool = True) -> "VocabIndex":
-        cpath, tpath = path / CONFIG_NAME, path / TENSORS_NAME
-        for p in (cpath, tpath):
-            if not p.is_file():
-                raise IndexFormatError(f"not an hf_csv index directory: {p.name} missing in {path}")
-        try:
-            raw = json.loads(cpath.read_text())
-        except json.JSONDecodeError as e:
-            raise IndexFormatError(f"{cpath} is not valid JSON: {e}") from e
-        known = set(IndexConfig.__dataclass_fields__)
-        unknown = set(raw) - known
-        if unknown:
-            logger.warning("ignoring unknown index config keys: %s", sorted(unknown))
-        try:
-            config = IndexConfig(**{k: v for k, v in raw.items() if k in known})
-        except TypeError as e:
-            raise IndexFormatError(f"{cpath}: {e}") from e
-        if verify and config.tensors_sha256:
-            got = _file_sha256(tpath)
-            if got != config.tensors_sha256:
-                raise IndexFormatError(
-                    f"{tpath} is corrupt or truncated: sha256 {got} != recorded {config.tensors_sha256}")
-        try:
-            tensors = load_file(str(tpath), device=str(device))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise IndexFormatError(f"cannot read {tpath}: {e}") from e
-        return cls(config, tensors)

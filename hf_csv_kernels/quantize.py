@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "unit_roundoff", "gamma",
-           "round_up_f32", "FP8_E4M3_MAX"]
+__all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "rows_from_codes", "unit_roundoff",
+           "gamma", "round_up_f32", "FP8_E4M3_MAX"]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -116,3 +116,39 @@ def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows
         raise RuntimeError("this torch has no float8_e4m3fn dtype")
     return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX,
                           lambda x: x.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
+
+
+@torch.no_grad()
+def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+    """Rebuild :class:`Int8Rows` for ``weight`` from stored codes ``q`` and scales, recomputing every
+    error term from ``weight`` itself in float32 with rigorous rounding margins.
+
+    The returned terms bound the real quantities for *these* codes whatever they are: codes loaded
+    from a file need no trust for soundness (a corrupt or foreign code only loosens the bound; callers
+    compare the terms with the stored ones to detect that). One pass over ``weight``.
+
+    Margins (u = 2^-24, n = d): a computed difference d_j = fl(w_j − fl(s·q_j)) is within
+    u·|ŵ_j|(1+u) + u·|w_j − ŵ_j| + u²|ŵ_j| of the real e_j = w_j − ŵ_j, so
+    ||e||_2 <= ||d||_2/(1−u) + 3u·||ŵ||_2, and fl(sqrt(Σ d_j²)) errs by at most γ_{n+2} relatively;
+    ||ŵ||_2 <= ||ŵ||_1 = s·Σ|q_j| (an integer sum, exact in float32 below 2^24, or bounded by γ_n).
+    """
+    if weight.shape != q.shape or scale.shape != (q.shape[0],):
+        raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(scale.shape)} do not fit a head of shape "
+                         f"{tuple(weight.shape)}")
+    V, d = weight.shape
+    u = unit_roundoff()
+    g = gamma(d + 3)
+    err_l2 = torch.empty(V, dtype=torch.float32, device=weight.device)
+    l1 = torch.empty_like(err_l2)
+    abs_l1 = torch.empty_like(err_l2)
+    s_all = scale.float()
+    for lo in range(0, V, chunk_rows):
+        w = weight[lo: lo + chunk_rows].float()  # may be the weight itself (float32): never written
+        s = s_all[lo: lo + chunk_rows]
+        qf = q[lo: lo + chunk_rows].float()
+        l1_c = qf.abs().sum(1).mul_(s).mul_((1 + g) * (1 + 4 * u))  # >= s·Σ|q| = ||ŵ||_1
+        diff = torch.sub(w, qf.mul_(s[:, None]))
+        err_l2[lo: lo + chunk_rows] = diff.norm(dim=1).mul_(1 + g).add_(l1_c * (3 * u)).mul_(1 + 4 * u)
+        l1[lo: lo + chunk_rows] = l1_c
+        abs_l1[lo: lo + chunk_rows] = w.abs().sum(1).mul_((1 + g) * (1 + 4 * u))
+    return Int8Rows(q=q, scale=s_all, err_l2=err_l2, l1=l1, abs_l1=abs_l1)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hf_csv.certificate import CertifiedHead  # noqa: E402
-from hf_csv.index import VocabIndex  # noqa: E402
+from hf_csv.artifact import CSVArtifact  # noqa: E402
 
 DEFAULT_PROMPTS = REPO.parent / "shared" / "models" / "prompts.jsonl"
 
@@ -92,11 +92,12 @@ def main(argv=None) -> dict:
     index = None
     if args.provider == "cluster":
         if args.index and Path(args.index).is_dir():
-            index = VocabIndex.from_pretrained(args.index)
+            index = CSVArtifact.from_pretrained(args.index).index
         else:
-            index = VocabIndex.build(W, b, num_clusters=args.num_clusters)
+            art = CSVArtifact.build(W, b, screen=False, index=True, num_clusters=args.num_clusters)
+            index = art.index
             if args.index:
-                index.save_pretrained(args.index)
+                art.save_pretrained(args.index)
     t0 = time.perf_counter()
     kw = {"quant": args.quant} if args.provider == "screen" else {}
     head = CertifiedHead(W, b, provider=args.provider, index=index, budget=1.0, **kw)

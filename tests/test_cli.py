@@ -36,12 +36,17 @@ def test_build_inspect_push_pull(tiny_model, tmp_path):
     import os
 
     out = tmp_path / "ix"
-    r = run("build", str(tiny_model), "--out", str(out), "--num-clusters", "16")
+    r = run("build", str(tiny_model), "--out", str(out), "--index", "--num-clusters", "16")
     assert r.returncode == 0, r.stderr
-    assert (out / "csv_index.safetensors").is_file() and (out / "README.md").is_file()
+    for f in ("csv_index.safetensors", "csv_screen.safetensors", "csv_artifact.json", "README.md"):
+        assert (out / f).is_file(), f
     r = run("inspect", str(out))
-    cfg = json.loads(r.stdout)
-    assert cfg["num_clusters"] == 16 and cfg["vocab_size"] == 300 and len(cfg["fingerprint"]) == 32
+    info = json.loads(r.stdout)
+    cfg = info["config"]
+    assert cfg["index"]["num_clusters"] == 16 and cfg["vocab_size"] == 300 and len(cfg["fingerprint"]) == 32
+    assert cfg["screen"] == {"quant": "int8", "num_outliers": 16}  # calibrated on a dummy forward
+    assert info["parts"]["screen"]["q"] == {"shape": [300, 32], "dtype": "int8", "bytes": 9600}
+    assert info["total_bytes"] > 9600
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "cache"), HF_TOKEN="t")
     env.pop("HF_HUB_OFFLINE", None)
     with HubDouble() as hub:
@@ -49,11 +54,12 @@ def test_build_inspect_push_pull(tiny_model, tmp_path):
         assert r.returncode == 0, r.stderr
         r = run("pull", "org/ix", "--out", str(tmp_path / "pulled"), "--endpoint", hub.endpoint, env=env)
         assert r.returncode == 0, r.stderr
-    from hf_csv.index import VocabIndex
+    from hf_csv.artifact import CSVArtifact
 
-    built, pulled = VocabIndex.from_pretrained(out), VocabIndex.from_pretrained(tmp_path / "pulled")
+    built, pulled = CSVArtifact.from_pretrained(out), CSVArtifact.from_pretrained(tmp_path / "pulled")
     assert pulled.config.fingerprint == built.config.fingerprint
-    diff = [k for k in built.tensors if not torch.equal(built.tensors[k], pulled.tensors[k])]
+    diff = [k for k in built.index.tensors if not torch.equal(built.index.tensors[k], pulled.index.tensors[k])]
+    diff += [k for k in built.screen.tensors if not torch.equal(built.screen.tensors[k], pulled.screen.tensors[k])]
     assert not diff, diff
 
 

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from hf_csv.errors import FingerprintMismatchError, IndexFormatError
-from hf_csv.hub import download_index
-from hf_csv.index import VocabIndex
+from hf_csv import hub as hub_mod
+from hf_csv.artifact import ARTIFACT_FILES, CSVArtifact
 from hub_double import HubDouble
 
 
 def _index(seed=0, V=400, d=12):
+    """A head and its artifact (screen + cluster index)."""
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(V, d, generator=g)
-    return W, VocabIndex.build(W, num_clusters=8, niter=2, progress=False, base_model="org/base")
+    return W, CSVArtifact.build(W, index=True, num_clusters=8, niter=2, progress=False, base_model="org/base")
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def hub(tmp_path, monkeypatch):
 
 
 def _load(repo, hub, tmp_path, **kw):
-    return VocabIndex.from_pretrained(repo, endpoint=hub.endpoint, cache_dir=tmp_path / "cache", **kw)
+    return CSVArtifact.from_pretrained(repo, endpoint=hub.endpoint, cache_dir=tmp_path / "cache", **kw)
 
 
 def test_push_pull_roundtrip_with_model_card(hub, tmp_path):
@@ -40,13 +41,16 @@ def test_push_pull_roundtrip_with_model_card(hub, tmp_path):
     assert "commit" in str(info)
     ix2 = _load("org/idx", hub, tmp_path)
     assert ix2.config.fingerprint == ix.config.fingerprint
-    for k, v in ix.tensors.items():
-        assert torch.equal(v, ix2.tensors[k])
+    for k, v in ix.index.tensors.items():
+        assert torch.equal(v, ix2.index.tensors[k])
+    for k, v in ix.screen.tensors.items():
+        assert torch.equal(v, ix2.screen.tensors[k])
     ix2.check_head(W)
-    card = (os.path.join(download_index("org/idx", endpoint=hub.endpoint, cache_dir=tmp_path / "cache"), "README.md"))
+    card = os.path.join(hub_mod.download("org/idx", ARTIFACT_FILES, endpoint=hub.endpoint, cache_dir=tmp_path / "cache"),
+                        "README.md")
     text = open(card).read()
     assert text.startswith("---\nlibrary_name: hf_csv") and "base_model: org/base" in text
-    assert ix.config.fingerprint in text and "num_clusters" in text
+    assert ix.config.fingerprint in text and "int8 screen" in text and "cluster index" in text
     assert ("POST", "/api/models/org/idx/commit/main") in hub.state.requests
 
 
@@ -67,10 +71,10 @@ def test_offline_mode_uses_the_cache(hub, tmp_path, monkeypatch):
     _load("org/idx", hub, tmp_path)
     hub.__exit__()  # the Hub is gone
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ix2 = VocabIndex.from_pretrained("org/idx", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
+    ix2 = CSVArtifact.from_pretrained("org/idx", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
     assert ix2.config.fingerprint == ix.config.fingerprint
     with pytest.raises(Exception):  # never downloaded: offline must not pretend
-        VocabIndex.from_pretrained("org/other", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
+        CSVArtifact.from_pretrained("org/other", cache_dir=tmp_path / "cache", endpoint=hub.endpoint)
 
 
 def test_fingerprint_mismatch_names_both(hub, tmp_path):
@@ -80,7 +84,7 @@ def test_fingerprint_mismatch_names_both(hub, tmp_path):
     ix.push_to_hub("org/idx", endpoint=hub.endpoint, token="t")
     other = torch.randn(400, 12)
     with pytest.raises(FingerprintMismatchError) as e:
-        ClusterProvider(_load("org/idx", hub, tmp_path), other)
+        ClusterProvider(_load("org/idx", hub, tmp_path).index, other)
     from hf_csv.index import head_fingerprint
     assert ix.config.fingerprint in str(e.value) and head_fingerprint(other) in str(e.value)
 
@@ -93,7 +97,7 @@ def test_corrupt_and_missing_files_on_the_hub(hub, tmp_path):
     files["csv_index.safetensors"] = files["csv_index.safetensors"][:-100]  # truncated upload
     with pytest.raises(IndexFormatError, match="corrupt or truncated"):
         _load("org/idx", hub, tmp_path)
-    del files["csv_index_config.json"]
+    del files["csv_artifact.json"]
     with pytest.raises(IndexFormatError):
         _load("org/idx", hub, tmp_path, revision=repo["branches"]["main"])
     with pytest.raises(Exception, match="not found|Not Found|404"):
@@ -111,6 +115,6 @@ def test_live_hub_roundtrip():
     repo = f"{HfApi().whoami()['name']}/hf-csv-test-{uuid.uuid4().hex[:8]}"
     try:
         ix.push_to_hub(repo, private=True)
-        assert VocabIndex.from_pretrained(repo).config.fingerprint == ix.config.fingerprint
+        assert CSVArtifact.from_pretrained(repo).config.fingerprint == ix.config.fingerprint
     finally:
         HfApi().delete_repo(repo)

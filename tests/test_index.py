@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from hf_csv.errors import FingerprintMismatchError, IndexFormatError
-from hf_csv.index import CONFIG_NAME, TENSORS_NAME, VocabIndex, default_num_clusters, head_fingerprint
+from dataclasses import asdict
+
+from hf_csv.artifact import CONFIG_NAME, INDEX_NAME, ArtifactConfig, CSVArtifact
+from hf_csv.index import VocabIndex, default_num_clusters, head_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,9 @@ def test_build_layout_is_consistent(head, metric):
 def test_save_load_roundtrip_and_fingerprint(head, tmp_path):
     W, b = head
     ix = VocabIndex.build(W, b, num_clusters=16, progress=False)
-    ix.save_pretrained(tmp_path)
-    ix2 = VocabIndex.from_pretrained(tmp_path)
+    CSVArtifact(ArtifactConfig(3000, 24, ix.config.fingerprint, has_bias=True, index=asdict(ix.config)),
+                index=ix).save_pretrained(tmp_path)
+    ix2 = CSVArtifact.from_pretrained(tmp_path).index
     assert ix2.config == ix.config
     for k, v in ix.tensors.items():
         assert torch.equal(v, ix2.tensors[k])
@@ -55,20 +59,20 @@ def test_fingerprint_is_dtype_agnostic_for_representable_values():
 
 def test_corrupt_truncated_missing(head, tmp_path):
     W, b = head
-    VocabIndex.build(W, b, num_clusters=8, progress=False).save_pretrained(tmp_path)
-    t = tmp_path / TENSORS_NAME
+    CSVArtifact.build(W, b, screen=False, index=True, num_clusters=8, progress=False).save_pretrained(tmp_path)
+    t = tmp_path / INDEX_NAME
     data = t.read_bytes()
     t.write_bytes(data[: len(data) // 2])
     with pytest.raises(IndexFormatError, match="corrupt or truncated"):
-        VocabIndex.from_pretrained(tmp_path)
+        CSVArtifact.from_pretrained(tmp_path)
     t.write_bytes(data)
-    VocabIndex.from_pretrained(tmp_path)
+    CSVArtifact.from_pretrained(tmp_path)
     (tmp_path / CONFIG_NAME).write_text("{not json")
-    with pytest.raises(IndexFormatError, match="JSON"):
-        VocabIndex.from_pretrained(tmp_path)
-    t.unlink()
+    with pytest.raises(IndexFormatError, match="not a valid artifact config"):
+        CSVArtifact.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).unlink()
     with pytest.raises(IndexFormatError, match="missing"):
-        VocabIndex._load_dir(tmp_path)
+        CSVArtifact.from_pretrained(tmp_path)
 
 
 def test_bad_build_args(head):

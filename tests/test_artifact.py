@@ -1,0 +1,143 @@
+"""The artifact carries the screen: round trip, identical tokens from a loaded screen, and damaged or
+foreign files that give a clear error and never a wrong token."""
+import copy
+import json
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_csv
+from hf_csv import CSVConfig
+from hf_csv.artifact import CONFIG_NAME, SCREEN_NAME, CSVArtifact
+from hf_csv.errors import FingerprintMismatchError, IndexFormatError
+from hf_csv_kernels import quantize_rows_int8
+from hf_csv_kernels.quantize import rows_from_codes
+
+
+def _model(seed=0, V=600, scale=12.0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=V - 1, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)
+    return m
+
+
+def _build(m, tmp_path, **kw):
+    art = CSVArtifact.build(m.lm_head.weight, outlier_cols=torch.tensor([3, 7, 11]), **kw)
+    art.save_pretrained(tmp_path)
+    return art
+
+
+IDS = torch.tensor([[5, 17, 33, 2, 9, 41]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_screen_gives_identical_tokens_and_skips_quantization(tmp_path, monkeypatch, dtype):
+    ref = _model().to(dtype)
+    _build(ref, tmp_path)
+    m = hf_csv.enable(copy.deepcopy(ref))
+    import hf_csv.bounds as hb
+
+    def no_quantize(*a, **k):
+        raise AssertionError("the screen was re-quantized although the artifact holds it")
+
+    monkeypatch.setattr(hb, "quantize_rows_int8", no_quantize)
+    for sample in (False, True):
+        kw = dict(max_new_tokens=16, do_sample=sample, top_k=20, temperature=0.8)
+        torch.manual_seed(1)
+        a = ref.generate(IDS, **kw)
+        torch.manual_seed(1)
+        b = m.generate(IDS, **kw, csv_config=CSVConfig(index=str(tmp_path)))
+        assert torch.equal(a, b)
+        st = m.csv_last_stats
+        assert st["mode"] == "topk" and st["certified"] > 0
+    head = hf_csv.head.get_certified_head(m.lm_head, CSVConfig(index=str(tmp_path)))
+    assert head.provider.state.outlier_cols.tolist() == [3, 7, 11]  # the stored calibration
+
+
+def test_round_trip_and_recomputed_terms(tmp_path):
+    m = _model()
+    art = _build(m, tmp_path)
+    back = CSVArtifact.from_pretrained(tmp_path)
+    for k, v in art.screen.tensors.items():
+        assert torch.equal(v, back.screen.tensors[k]), k
+    rows = back.screen.rows_for(m.lm_head.weight)
+    ref = quantize_rows_int8(m.lm_head.weight.detach())
+    # the recomputed terms are rigorous upper bounds and within rounding of the float64 ones
+    for k in ("err_l2", "l1", "abs_l1"):
+        got, exact = getattr(rows, k), getattr(ref, k)
+        assert bool((got >= exact * (1 - 1e-7)).all()) and bool((got <= exact * 1.001 + 1e-6).all()), k
+    d = back.describe()
+    assert d["parts"]["screen"]["q"]["bytes"] == 600 * 48 and d["config"]["screen"]["num_outliers"] == 3
+
+
+def test_rows_from_codes_bounds_any_codes():
+    """Soundness does not depend on the file: for arbitrary codes the recomputed ||W - s q||_2 bound holds."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(200, 64, generator=g) * 3
+    q = torch.randint(-127, 128, (200, 64), generator=g, dtype=torch.int8)
+    s = torch.rand(200, generator=g) * 0.1
+    rows = rows_from_codes(W, q, s)
+    true = (W.double() - q.double() * s.double()[:, None]).norm(dim=1)
+    assert bool((rows.err_l2.double() >= true).all())
+    assert bool((rows.abs_l1.double() >= W.double().abs().sum(1)).all())
+    assert bool((rows.l1.double() >= (q.double() * s.double()[:, None]).abs().sum(1)).all())
+
+
+def test_flipped_byte_truncated_wrong_shape_and_foreign_head(tmp_path):
+    m = _model()
+    _build(m, tmp_path)
+    f = tmp_path / SCREEN_NAME
+    data = bytearray(f.read_bytes())
+    cfg = CSVConfig(index=str(tmp_path))
+
+    data2 = bytearray(data)
+    data2[len(data2) // 2] ^= 0x40  # one flipped byte inside the codes
+    f.write_bytes(bytes(data2))
+    with pytest.raises(IndexFormatError, match="corrupt or truncated"):
+        CSVArtifact.from_pretrained(tmp_path)
+    # even with the checksum skipped, the flipped code cannot make a wrong certificate: the terms
+    # recomputed from the live head exceed the stored ones, and the load says so
+    with pytest.raises(FingerprintMismatchError, match="does not fit this head"):
+        CSVArtifact.from_pretrained(tmp_path, verify=False).screen.rows_for(m.lm_head.weight)
+
+    f.write_bytes(bytes(data[: len(data) - 1000]))  # truncated
+    with pytest.raises(IndexFormatError, match="corrupt or truncated"):
+        CSVArtifact.from_pretrained(tmp_path)
+    with pytest.raises(IndexFormatError, match="cannot read"):
+        CSVArtifact.from_pretrained(tmp_path, verify=False)
+    f.write_bytes(bytes(data))
+
+    # a generate call with a damaged artifact raises before any token; the model is left as it was
+    f.write_bytes(bytes(data2))
+    mm = hf_csv.enable(copy.deepcopy(m))
+    with pytest.raises(IndexFormatError):
+        mm.generate(IDS, max_new_tokens=3, do_sample=False, csv_config=cfg)
+    assert type(mm.lm_head) is torch.nn.Linear
+    f.write_bytes(bytes(data))
+
+    # wrong shape: the config says V = 600, the tensors are of another head
+    other = _model(seed=1, V=500)
+    _build(other, tmp_path / "o")
+    (tmp_path / "o" / CONFIG_NAME).write_text((tmp_path / CONFIG_NAME).read_text().replace(
+        json.loads((tmp_path / CONFIG_NAME).read_text())["sha256"][SCREEN_NAME],
+        json.loads((tmp_path / "o" / CONFIG_NAME).read_text())["sha256"][SCREEN_NAME]))
+    with pytest.raises(IndexFormatError, match="shape"):
+        CSVArtifact.from_pretrained(tmp_path / "o")
+
+    # a head of the same shape from another model: refused by fingerprint
+    foreign = hf_csv.enable(_model(seed=2))
+    with pytest.raises(FingerprintMismatchError, match="fingerprint"):
+        foreign.generate(IDS, max_new_tokens=3, do_sample=False, csv_config=cfg)
+    # the fingerprint samples every (V // 4096)-th row; a change in an unsampled row is caught by the
+    # recomputed terms
+    W = torch.randn(8200, 16, generator=torch.Generator().manual_seed(3))
+    art = CSVArtifact.build(W)
+    W[1] += 0.5
+    art.check_head(W)  # the sampled rows agree
+    with pytest.raises(FingerprintMismatchError, match="row 1 "):
+        art.screen.rows_for(W)
