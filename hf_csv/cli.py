@@ -114,10 +114,36 @@ def _model_folder(model: str, revision: Optional[str], endpoint: Optional[str]) 
     return Path(snapshot_download(model, revision=revision, endpoint=endpoint))
 
 
+def assemble_model_repo(dest, art, model_dir=None, defaults: Optional[dict] = None) -> Path:
+    """Fill ``dest`` with a certified model repository: the model's files (from ``model_dir``), the
+    artifact ``art`` with a ``custom_generate`` model card, and the ``custom_generate`` folder whose
+    ``CSV_CONFIG_DEFAULTS`` is ``defaults`` (e.g. ``{"index": REPO}``: its own artifact). Without an
+    ``index`` default, the method uses an artifact found beside the loaded weights."""
+    import re
+
+    from . import hub
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if model_dir is not None:
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and not f.name.startswith(".") and f.name != "README.md":
+                shutil.copyfile(f, dest / f.name)
+    art.save_pretrained(dest, custom_generate=True)
+    cg = dest / "custom_generate"
+    hub.copy_folder(hub.custom_generate_folder(), cg)
+    code = (cg / "generate.py").read_text()
+    code, n = re.subn(r"^CSV_CONFIG_DEFAULTS: dict = \{\}$", f"CSV_CONFIG_DEFAULTS: dict = {dict(defaults or {})!r}",
+                      code, flags=re.M)
+    if n != 1:
+        raise CLIError("custom_generate template: the CSV_CONFIG_DEFAULTS line was not found")
+    (cg / "generate.py").write_text(code)
+    return dest
+
+
 def cmd_push_model(a: argparse.Namespace) -> int:
     """Model files + artifact + custom_generate folder, one commit: ``from_pretrained(REPO,
     trust_remote_code=True).generate(...)`` is then certified decoding."""
-    import re
     import tempfile
 
     from . import hub
@@ -128,20 +154,8 @@ def cmd_push_model(a: argparse.Namespace) -> int:
     else:
         _, art = _build_artifact(a)
     with tempfile.TemporaryDirectory() as tmp:
-        if not a.no_weights:  # the model's own files (weights, config, tokenizer / processor)
-            src = _model_folder(a.model, a.revision, a.endpoint)
-            for f in src.iterdir():
-                if f.is_file() and not f.name.startswith(".") and f.name not in ("README.md",):
-                    shutil.copyfile(f, Path(tmp) / f.name)
-        art.save_pretrained(tmp, custom_generate=True)
-        cg = Path(tmp) / "custom_generate"
-        hub.copy_folder(hub.custom_generate_folder(), cg)
-        code = (cg / "generate.py").read_text()
-        defaults = {"index": a.repo_id} if not a.no_default_artifact else {}
-        code, n = re.subn(r"^CSV_CONFIG_DEFAULTS: dict = \{\}$", f"CSV_CONFIG_DEFAULTS: dict = {defaults!r}", code,
-                          flags=re.M)
-        assert n == 1, "custom_generate template: CSV_CONFIG_DEFAULTS line not found"
-        (cg / "generate.py").write_text(code)
+        src = None if a.no_weights else _model_folder(a.model, a.revision, a.endpoint)
+        assemble_model_repo(tmp, art, src, {} if a.no_default_artifact else {"index": a.repo_id})
         info = hub.upload(tmp, a.repo_id, revision=a.push_revision, private=a.private, endpoint=a.endpoint,
                           commit_message=f"hf_csv: certified custom_generate + artifact ({art.config.fingerprint})")
     print(f"pushed model + {art} + custom_generate to {a.repo_id}: {getattr(info, 'commit_url', info)}")

@@ -123,6 +123,23 @@ def _generate(self: nn.Module, *args: Any, csv_config: Optional[CSVConfig] = Non
 _generate._hf_csv = True
 
 
+def _called_from(fn: Callable, depth: int = 4) -> bool:
+    """Whether ``fn`` is among the nearest callers (the custom_generate module sits in between)."""
+    import sys
+
+    import inspect
+
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # generate is wrapped by torch.no_grad: its own body
+    f = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig] = None,
                     defaults: Optional[dict] = None, **kwargs: Any) -> Any:
     """The body of the Hub ``custom_generate/generate.py`` template (``hf-csv push-model``).
@@ -145,7 +162,20 @@ def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig
             if src and (Path(src) / CONFIG_NAME).is_file():
                 csv_config["index"] = src
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # transformers passes every unset argument as None
-    return csv_generate(model, functools.partial(type(model).generate, model), csv_config, args, kwargs)
+    cls_generate = type(model).generate
+    from transformers.generation.utils import GenerationMixin
+
+    if _called_from(GenerationMixin.generate):
+        # per call: GenerationMixin.generate handed over its own arguments, after any subclass's generate
+        # (Whisper's) prepared them; run the same function without custom_generate, not the subclass's again
+        cls_generate = GenerationMixin.generate
+    elif "inputs" in kwargs:
+        import inspect
+
+        params = inspect.signature(cls_generate).parameters
+        if "inputs" not in params and "input_features" in params:  # Whisper's generate names its input so
+            kwargs["input_features"] = kwargs.pop("inputs")
+    return csv_generate(model, functools.partial(cls_generate, model), csv_config, args, kwargs)
 
 
 def enable(model: nn.Module) -> nn.Module:

@@ -12,7 +12,8 @@ below. Needs the ``hf_csv`` package (requirements.txt).
 CSV_CONFIG_DEFAULTS: dict = {}
 
 
-def generate(model, *args, csv_config=None, **kwargs):
+def generate(*args, model, csv_config=None, **kwargs):
+    # transformers passes the model by keyword (per model, positional arguments are generate's inputs)
     try:
         import hf_csv
     except ImportError as e:  # transformers checks requirements.txt first; this covers a bypassed check

@@ -1,0 +1,162 @@
+"""Certified decoding from the Hub with no code change: transformers' ``custom_generate``, per call and per
+model, local directories and the local HTTP Hub double (tests/hub_double.py), LM and Whisper."""
+import importlib.metadata
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, WhisperForConditionalGeneration
+
+from hf_csv.artifact import CSVArtifact
+from hf_csv.cli import assemble_model_repo
+from hf_csv.cli import main as cli_main
+from hub_double import HubDouble
+from test_generate_extra import _tiny_whisper
+
+IDS = torch.tensor([[5, 17, 33, 2, 9, 41]])
+
+
+def _llama(seed=0, V=600):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=V - 1, bos_token_id=1,
+                      tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(12.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def llama_repo(tmp_path_factory):
+    """A model repository as ``hf-csv push-model`` assembles it, in a local directory."""
+    root = tmp_path_factory.mktemp("cg")
+    ref = _llama()
+    ref.save_pretrained(root / "model")
+    art = CSVArtifact.build(ref.lm_head.weight, outlier_cols=torch.tensor([1, 2]))
+    assemble_model_repo(root / "repo", art, root / "model")
+    return ref, root / "repo"
+
+
+def _stock(ref, **kw):
+    torch.manual_seed(0)
+    return ref.generate(IDS, **kw)
+
+
+def test_per_call_local_directory(llama_repo):
+    ref, repo = llama_repo
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_k=20, temperature=0.7)):
+        kw.update(max_new_tokens=12)
+        want = _stock(ref, **kw)
+        torch.manual_seed(0)
+        got = ref.generate(IDS, custom_generate=str(repo), trust_remote_code=True, **kw)
+        assert torch.equal(got, want)
+        st = ref.csv_last_stats
+        assert st["mode"] == "topk" and st["certified"] > 0
+    assert "generate" not in ref.__dict__  # the per-call form leaves the model as it was
+
+
+def test_per_model_local_directory_uses_the_stored_screen(llama_repo, monkeypatch):
+    ref, repo = llama_repo
+    m = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
+    import hf_csv.bounds as hb
+
+    monkeypatch.setattr(hb, "quantize_rows_int8", lambda *a, **k: pytest.fail("re-quantized: artifact not used"))
+    for kw in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
+        kw.update(max_new_tokens=12)
+        assert torch.equal(m.generate(IDS, **kw) if not kw["do_sample"] else _seeded(m, kw), _stock(ref, **kw))
+        assert m.csv_last_stats["certified"] > 0
+
+
+def _seeded(m, kw):
+    torch.manual_seed(0)
+    return m.generate(IDS, **kw)
+
+
+def test_csv_config_from_kwargs_overrides_the_default(llama_repo):
+    import hf_csv
+
+    ref, repo = llama_repo
+    m = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
+    out = m.generate(IDS, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig(budget=1))
+    assert torch.equal(out, _stock(ref, max_new_tokens=6, do_sample=False))
+    assert m.csv_last_stats["certified"] < m.csv_last_stats["rows"]  # budget 1: rows fall back, still exact
+
+
+def test_whisper_per_model_and_per_call(tmp_path):
+    ref = _tiny_whisper()
+    ref.save_pretrained(tmp_path / "model")
+    art = CSVArtifact.build(ref.proj_out.weight)
+    assemble_model_repo(tmp_path / "repo", art, tmp_path / "model")
+    feats = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(0))
+    want = ref.generate(feats, max_new_tokens=12, do_sample=False)
+    m = WhisperForConditionalGeneration.from_pretrained(tmp_path / "repo", trust_remote_code=True).eval()
+    assert torch.equal(m.generate(feats, max_new_tokens=12, do_sample=False), want)
+    assert m.csv_last_stats["certified"] > 0
+    got = ref.generate(feats, max_new_tokens=12, do_sample=False, custom_generate=str(tmp_path / "repo"),
+                       trust_remote_code=True)
+    assert torch.equal(got, want)
+
+
+def test_clear_error_without_hf_csv(llama_repo, monkeypatch):
+    ref, repo = llama_repo
+    real = importlib.metadata.version
+
+    def version(name):
+        if name.replace("-", "_") == "hf_csv":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    # transformers checks custom_generate/requirements.txt first (ImportError in 5.23, ValueError before)
+    with pytest.raises((ImportError, ValueError), match="hf_csv"):
+        ref.generate(IDS, max_new_tokens=2, custom_generate=str(repo), trust_remote_code=True)
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    # the template's own message, should the requirements check be bypassed
+    ns: dict = {}
+    exec(compile((repo / "custom_generate" / "generate.py").read_text(), "generate.py", "exec"), ns)
+    monkeypatch.setitem(sys.modules, "hf_csv", None)
+    with pytest.raises(ImportError, match="pip install hf_csv"):
+        ns["generate"](model=ref, inputs=IDS)
+
+
+def test_trust_remote_code_is_required(llama_repo):
+    ref, repo = llama_repo
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        ref.generate(IDS, max_new_tokens=2, custom_generate=str(repo), trust_remote_code=False)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    with HubDouble() as h:
+        monkeypatch.setattr(hc, "ENDPOINT", h.endpoint)
+        monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE", h.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        yield h
+
+
+def test_push_model_then_from_pretrained_through_the_hub(hub, tmp_path, monkeypatch):
+    ref = _llama(seed=4)
+    ref.save_pretrained(tmp_path / "model")
+    monkeypatch.setenv("HF_TOKEN", "t")
+    assert cli_main(["push-model", str(tmp_path / "model"), "org/certified", "--endpoint", hub.endpoint]) == 0
+    files = hub.state.repos["org/certified"]["commits"][hub.state.repos["org/certified"]["branches"]["main"]]
+    for f in ("config.json", "model.safetensors", "csv_artifact.json", "csv_screen.safetensors",
+              "custom_generate/generate.py", "custom_generate/requirements.txt", "README.md"):
+        assert f in files, f
+    assert b"CSV_CONFIG_DEFAULTS: dict = {'index': 'org/certified'}" in files["custom_generate/generate.py"]
+    assert b"- custom_generate" in files["README.md"] and b"library_name: transformers" in files["README.md"]
+    m = AutoModelForCausalLM.from_pretrained("org/certified", trust_remote_code=True).eval()
+    want = ref.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert torch.equal(m.generate(IDS, max_new_tokens=12, do_sample=False), want)
+    st = m.csv_last_stats
+    assert st["mode"] == "topk" and st["certified"] > 0
+    # per call, from the Hub repository
+    got = ref.generate(IDS, max_new_tokens=12, do_sample=False, custom_generate="org/certified",
+                       trust_remote_code=True)
+    assert torch.equal(got, want)
