@@ -1,0 +1,74 @@
+"""First certified call: building the screen from the head vs loading it from a saved artifact.
+
+    python scripts/artifact_first_call.py --model ~/.cache/hf-csv-models/gemma3-270m [--reps 3] [--threads 2]
+
+"Ready head" = ``get_certified_head`` plus one certified head call on a real hidden state (the screen's
+fbgemm prepack happens then when the outlier columns are calibrated on the first call). Interleaved
+repetitions, medians; prints JSON with the parts of the artifact path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_csv
+from hf_csv import CSVConfig
+from hf_csv.artifact import CSVArtifact
+from hf_csv.head import get_certified_head
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    m = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    head = m.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        m(input_ids=torch.tensor([[1, 450, 3681, 310, 278, 3303]]))
+    hook.remove()
+    H = seen[0][0, -1:].float()
+    cols = seen[0][0].abs().amax(0).topk(16).indices.sort().values
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        CSVArtifact.build(head.weight, outlier_cols=cols).save_pretrained(tmp)
+        build_s = time.perf_counter() - t0
+        scratch, art, parts = [], [], []
+        for _ in range(a.reps):
+            for how in ("scratch", "artifact"):
+                hf_csv.refresh(m)
+                cfg = CSVConfig() if how == "scratch" else CSVConfig(index=tmp)
+                t0 = time.perf_counter()
+                ch = get_certified_head(head, cfg)
+                t1 = time.perf_counter()
+                ch.topk(H, 1)
+                t2 = time.perf_counter()
+                (scratch if how == "scratch" else art).append(t2 - t0)
+                if how == "artifact":
+                    t3 = time.perf_counter()
+                    x = CSVArtifact.from_pretrained(tmp)
+                    t4 = time.perf_counter()
+                    x.screen.rows_for(head.weight)
+                    t5 = time.perf_counter()
+                    parts.append({"load_and_sha256_s": t4 - t3, "recompute_terms_s": t5 - t4,
+                                  "head_ready_s": t1 - t0, "first_head_call_s": t2 - t1})
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    out = {"model": a.model, "threads": a.threads, "vocab": head.weight.shape[0], "hidden": head.weight.shape[1],
+           "artifact_build_s": round(build_s, 2), "first_call_scratch_s": med(scratch),
+           "first_call_artifact_s": med(art),
+           "artifact_parts_s": {k: med([p[k] for p in parts]) for k in parts[0]}, "reps": a.reps}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
