@@ -347,14 +347,16 @@ def test_output_scores_and_transition_scores_are_stock(kw):
 
 # ------------------------------------------------------------------ 12. any index is checked against the head
 def test_index_for_another_head_is_rejected_with_the_screen_provider(tmp_path):
-    from hf_csv import VocabIndex
+    from hf_csv import CSVArtifact
 
     m = hf_csv.enable(tiny_llama(scale=20.0))
     other = tiny_llama(scale=20.0, seed=9)
-    VocabIndex.build(other.lm_head.weight, num_clusters=8, progress=False).save_pretrained(tmp_path / "ix")
+    CSVArtifact.build(other.lm_head.weight, screen=False, index=True, num_clusters=8,
+                      progress=False).save_pretrained(tmp_path / "ix")
     with pytest.raises(FingerprintMismatchError):
         m.generate(**_ids(), max_new_tokens=2, csv_config=CSVConfig(index=str(tmp_path / "ix")))
-    VocabIndex.build(m.lm_head.weight, num_clusters=8, progress=False).save_pretrained(tmp_path / "mine")
+    CSVArtifact.build(m.lm_head.weight, screen=False, index=True, num_clusters=8,
+                      progress=False).save_pretrained(tmp_path / "mine")
     m.generate(**_ids(), max_new_tokens=2, csv_config=CSVConfig(index=str(tmp_path / "mine")))
     assert m.csv_last_stats["certified"] > 0
 
