@@ -39,7 +39,7 @@ from hf_csv_kernels.quantize import Int8Rows, quantize_rows_fp8, quantize_rows_i
 
 from . import hub
 from .errors import FingerprintMismatchError, IndexFormatError
-from .index import IndexConfig, VocabIndex, head_fingerprint
+from .index import IndexConfig, VocabIndex, check_head_identity, head_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +99,14 @@ class ScreenData:
         rows = rows_from_codes(weight.detach(), t["q"].to(dev), t["scale"].to(dev))
         for k in ("err_l2", "l1", "abs_l1"):
             stored = t[k].to(dev)
-            bad = rows.__dict__[k] > stored * (1 + _TERM_SLACK) + 1e-30
+            got = getattr(rows, k)
+            bad = got > stored * (1 + _TERM_SLACK) + 1e-30
             if k == "err_l2":  # near-exact rows: the recompute's absolute margin 3u·||ŵ||_1 dominates
                 bad &= rows.err_l2 > stored + 4 * torch.finfo(torch.float32).eps * rows.l1
             if bool(bad.any()):
                 i = int(bad.nonzero()[0, 0])
                 raise FingerprintMismatchError(
-                    f"the stored screen does not fit this head: row {i} has {k} {float(rows.__dict__[k][i]):.6g} "
+                    f"the stored screen does not fit this head: row {i} has {k} {float(got[i]):.6g} "
                     f"> stored {float(stored[i]):.6g} ({int(bad.sum())} rows): built for another head, or altered")
         return rows
 
@@ -183,16 +184,7 @@ class CSVArtifact:
     def check_head(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         """Raise :class:`FingerprintMismatchError` unless this artifact was built for a head of this
         shape and fingerprint (the screen's rows are checked in full by :meth:`ScreenData.rows_for`)."""
-        c = self.config
-        V, d = weight.shape
-        if (V, d) != (c.vocab_size, c.hidden_size):
-            raise FingerprintMismatchError(f"artifact was built for a {c.vocab_size}x{c.hidden_size} head, this head "
-                                           f"is {V}x{d} (artifact fingerprint {c.fingerprint})")
-        fp = head_fingerprint(weight, bias)
-        if fp != c.fingerprint:
-            raise FingerprintMismatchError(
-                f"artifact fingerprint {c.fingerprint} does not match this model's head fingerprint {fp}: "
-                f"it was built for another model (base_model={c.base_model!r})")
+        check_head_identity("artifact", self.config, weight, bias)
 
     def describe(self) -> dict:
         """What the artifact holds and its sizes (``hf-csv inspect``)."""

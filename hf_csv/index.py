@@ -30,7 +30,7 @@ from .errors import FingerprintMismatchError, IndexFormatError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexConfig", "VocabIndex", "head_fingerprint", "default_num_clusters"]
+__all__ = ["IndexConfig", "VocabIndex", "head_fingerprint", "check_head_identity", "default_num_clusters"]
 
 FORMAT_VERSION = 1
 _TENSOR_KEYS = ("centroids", "radius", "norm_min", "norm_max", "bias_max", "bias_topm", "perm", "offsets", "assignment")
@@ -59,6 +59,21 @@ def head_fingerprint(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     if bias is not None:
         h.update(bias.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def check_head_identity(what: str, config: Any, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    """Raise :class:`FingerprintMismatchError` unless ``config`` (vocab_size, hidden_size, fingerprint,
+    base_model) describes this head: its shape and its sampled-row fingerprint. ``what`` names the artifact."""
+    V, d = weight.shape
+    c = config
+    if (V, d) != (c.vocab_size, c.hidden_size):
+        raise FingerprintMismatchError(f"{what} was built for a {c.vocab_size}x{c.hidden_size} head, this head is "
+                                       f"{V}x{d} ({what} fingerprint {c.fingerprint})")
+    fp = head_fingerprint(weight, bias)
+    if fp != c.fingerprint:
+        raise FingerprintMismatchError(
+            f"{what} fingerprint {c.fingerprint} does not match this model's head fingerprint {fp}: "
+            f"the {what} was built for another model (base_model={c.base_model!r})")
 
 
 @dataclass
@@ -201,17 +216,7 @@ class VocabIndex:
     # -------------------------------------------------------------- identity
     def check_head(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         """Raise :class:`FingerprintMismatchError` unless this index was built for this head."""
-        V, d = weight.shape
-        c = self.config
-        if (V, d) != (c.vocab_size, c.hidden_size):
-            raise FingerprintMismatchError(
-                f"index was built for a {c.vocab_size}x{c.hidden_size} head, this head is {V}x{d} "
-                f"(index fingerprint {c.fingerprint})")
-        fp = head_fingerprint(weight, bias)
-        if fp != c.fingerprint:
-            raise FingerprintMismatchError(
-                f"index fingerprint {c.fingerprint} does not match this model's head fingerprint {fp}: "
-                f"the index was built for another model (base_model={c.base_model!r})")
+        check_head_identity("index", self.config, weight, bias)
 
     def to(self, device: Union[str, torch.device]) -> "VocabIndex":
         return VocabIndex(self.config, {k: v.to(device) for k, v in self.tensors.items()})
