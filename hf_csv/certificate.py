@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
+from hf_csv_kernels.threads import ThreadTuner, caller_threads
 
 from .bounds import BoundProvider, make_provider
 from .index import VocabIndex
@@ -139,6 +140,8 @@ class CertifiedHead:
         self._b_max = float(self.bias.abs().max()) * (1 + 1e-6) if self.bias is not None else 0.0
         # rows with more candidates than this are recomputed with the dense GEMM, then masked
         self._dense_cutoff = max(1, self.vocab_size // 8)
+        # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
+        self._tuner = ThreadTuner() if weight.device.type == "cpu" else None
 
     # ----------------------------------------------------------- helpers
     def _check(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +191,8 @@ class CertifiedHead:
         if value_dtype == self.weight.dtype:
             cols, inv = torch.unique(t, return_inverse=True)
             b = None if self.bias_native is None else self.bias_native[cols]
-            return F.linear(Hn, self.weight[cols], b)[r, inv].float()
+            with caller_threads():  # stock's op as the caller runs it
+                return F.linear(Hn, self.weight[cols], b)[r, inv].float()
         val, _ = self.exact(t, r, Hf)
         return val.to(value_dtype).float()
 
@@ -237,12 +241,20 @@ class CertifiedHead:
     def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
         """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
         computed on every row, since a GEMM on fewer rows may round differently)."""
-        if value_dtype == self.weight.dtype:
-            return self.stock(Hn)
-        return self.full(Hf).to(value_dtype)
+        with caller_threads():
+            if value_dtype == self.weight.dtype:
+                return self.stock(Hn)
+            return self.full(Hf).to(value_dtype)
 
     def _run_nonfinite(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
-        """Rows with NaN/inf hidden states go to the full head (as stock would), counted."""
+        """Rows with NaN/inf hidden states go to the full head (as stock would), counted. On CPU the
+        call runs on the thread count the tuner finds faster (hf_csv_kernels.threads)."""
+        if self._tuner is None:
+            return self._run_rows(H, fn, *args, **kwargs)
+        with self._tuner((fn.__name__, H.shape[0] if H.dim() == 2 else -1)):
+            return self._run_rows(H, fn, *args, **kwargs)
+
+    def _run_rows(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
         Hf, Hn = self._check(H)
         finite = torch.isfinite(Hf).all(dim=1)
         if bool(finite.all()):

@@ -5,6 +5,11 @@
         --model ~/.cache/hf-csv-models/qwen-coder-0.5b --json out/bench_qwen.json
     flock /tmp/hf_csv_bench.lock python scripts/bench_generate.py \
         --model ~/.cache/hf-csv-models/whisper-base --audio ../shared/models/speech/en_fox.wav --json out/bench_wb.json
+    # under load (one busy process per extra core), in bf16, at batch 4:
+    python scripts/bench_generate.py --model DIR --load 1 --dtype bfloat16 --batch 4 --json out/b.json
+
+``--load N`` starts N busy CPU processes for the timed part (stock and csv alike; the first call is
+timed before them). ``--batch B`` left-pads B different prompts (Whisper: B copies of the clip).
 
 Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs interleaved
 pairs), head_fraction f (time inside the stock head / whole generate, measured with hooks in a
@@ -25,20 +30,25 @@ import torch
 import hf_csv
 from hf_csv.head import CSVHead
 
+try:
+    from _load import cpu_load, machine_load
+except ImportError:  # run as a module from elsewhere
+    from scripts._load import cpu_load, machine_load
+
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE.parents[1] / "shared" / "models" / "prompts.jsonl"
 
 
-def load(model_dir: str, audio: str | None):
+def load(model_dir: str, audio: str | None, dtype: torch.dtype = torch.float32, batch: int = 1):
     if audio:
         from scipy.io import wavfile
         from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 
         proc = AutoProcessor.from_pretrained(model_dir)
-        model = AutoModelForSpeechSeq2Seq.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForSpeechSeq2Seq.from_pretrained(model_dir, dtype=dtype).eval()
         sr, a = wavfile.read(audio)
         a = a.astype("float32") / (32768.0 if a.dtype.kind == "i" else 1.0)
-        feats = proc(a, sampling_rate=sr, return_tensors="pt").input_features
+        feats = proc(a, sampling_rate=sr, return_tensors="pt").input_features.to(dtype).repeat(batch, 1, 1)
         # the encoder runs once, outside the timing: tokens/s and f are about the decoder loop
         with torch.no_grad():
             enc = model.get_encoder()(feats)
@@ -46,10 +56,13 @@ def load(model_dir: str, audio: str | None):
         return model, {"encoder_outputs": enc}, extra
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt = json.loads(PROMPTS.read_text().splitlines()[0])["prompt"] if PROMPTS.exists() else "Hello"
-    inputs = dict(tok(prompt, return_tensors="pt"))
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    lines = [json.loads(x)["prompt"] for x in PROMPTS.read_text().splitlines() if x.strip()] if PROMPTS.exists() else ["Hello"]
+    prompts = [lines[i % len(lines)] for i in range(batch)]
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    inputs = dict(tok(prompts, return_tensors="pt", padding=True))
     # a fixed new-token count without an extra processor: no EOS stop
     model.generation_config.eos_token_id = None
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -89,9 +102,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--load", type=int, default=0, help="busy CPU processes during the timed part")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, inputs, extra = load(args.model, args.audio)
+    before = machine_load()
+    model, inputs, extra = load(args.model, args.audio, getattr(torch, args.dtype), args.batch)
     hf_csv.enable(model)
     cfg = hf_csv.CSVConfig()
     gen = dict(inputs, max_new_tokens=args.new_tokens, do_sample=False, num_beams=1, **extra)
@@ -106,19 +123,11 @@ def main() -> None:
             return model.generate(**gen, csv_config=cfg)
 
     ref, _ = timed(stock)  # warm-up, and builds nothing
-    out, t_build = timed(csv)  # warm-up: builds the int8 screen once (cached per model)
+    out, t_build = timed(csv)  # warm-up: builds the int8 screen once (cached per model); quiet
     identical = torch.equal(ref, out)
     new = ref.shape[1] - n_in
     t_stock, t_csv = [], []
-    for _ in range(args.runs):  # interleaved pairs: drift hits both alike
-        a, ta = timed(stock)
-        b, tb = timed(csv)
-        identical &= torch.equal(a, ref) and torch.equal(b, ref)
-        t_stock.append(ta), t_csv.append(tb)
-    stats = model.csv_last_stats
-    # head fraction: hooks on the stock head in a separate stock run; csv head time likewise
     name, head = hf_csv.head.find_head(model)
-    hs, ns, tot = head_time(head, stock)
     orig_fwd = CSVHead.forward
     acc = {"t": 0.0, "n": 0}
 
@@ -129,11 +138,20 @@ def main() -> None:
         acc["n"] += 1
         return o
 
-    CSVHead.forward = timed_fwd
-    try:
-        _, tot_csv = timed(csv)
-    finally:
-        CSVHead.forward = orig_fwd
+    with cpu_load(args.load):
+        for _ in range(args.runs):  # interleaved pairs: drift hits both alike
+            a, ta = timed(stock)
+            b, tb = timed(csv)
+            identical &= torch.equal(a, ref) and torch.equal(b, ref)
+            t_stock.append(ta), t_csv.append(tb)
+        stats = model.csv_last_stats
+        # head fraction: hooks on the stock head in a separate stock run; csv head time likewise
+        hs, ns, tot = head_time(head, stock)
+        CSVHead.forward = timed_fwd
+        try:
+            _, tot_csv = timed(csv)
+        finally:
+            CSVHead.forward = orig_fwd
     f = hs / tot
     limit = 1 / (1 - f)
     ms, mc = statistics.median(t_stock), statistics.median(t_csv)
@@ -142,7 +160,8 @@ def main() -> None:
         "model": os.path.basename(os.path.normpath(args.model)),
         "audio": os.path.basename(args.audio) if args.audio else None,
         "new_tokens": int(new), "runs": args.runs, "threads": args.threads,
-        "tokens_per_s_stock": new / ms, "tokens_per_s_csv": new / mc, "speedup": speedup,
+        "load": args.load, "dtype": args.dtype, "batch": args.batch, "machine_before": before,
+        "tokens_per_s_stock": args.batch * new / ms, "tokens_per_s_csv": args.batch * new / mc, "speedup": speedup,
         "head_fraction": f, "limit": limit, "gain_fraction": (speedup - 1) / (limit - 1) if limit > 1 else float("nan"),
         "identical_tokens": bool(identical),
         "certified_fraction": stats.get("certified_fraction"), "mean_subvocab_fraction": stats.get("mean_subvocab_fraction"),
@@ -162,7 +181,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(1, 2, figsize=(8, 3))
         ax[0].bar(["stock", "csv"], [res["tokens_per_s_stock"], res["tokens_per_s_csv"]], color=["gray", "tab:blue"])
-        ax[0].set_ylabel("tokens/s (greedy, fp32)")
+        ax[0].set_ylabel(f"tokens/s (greedy, {args.dtype}, batch {args.batch}, load {args.load})")
         ax[1].bar(["speedup", "limit 1/(1-f)"], [speedup, limit], color=["tab:blue", "lightgray"])
         ax[1].axhline(1, color="k", lw=0.5)
         fig.suptitle(f"{res['model']}: gain fraction {res['gain_fraction']:.2f}")

@@ -28,6 +28,9 @@ sys.path.insert(0, str(REPO))
 from hf_csv.certificate import CertifiedHead  # noqa: E402
 from hf_csv.artifact import CSVArtifact  # noqa: E402
 
+sys.path.insert(0, str(REPO / "scripts"))
+from _load import cpu_load, machine_load  # noqa: E402
+
 DEFAULT_PROMPTS = REPO.parent / "shared" / "models" / "prompts.jsonl"
 
 
@@ -82,11 +85,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--timing-rows", type=int, default=40, help="positions timed one at a time")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--load", type=int, default=0, help="busy CPU processes during the timing")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--png", type=Path, default=None)
     args = ap.parse_args(argv)
 
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    before = machine_load()
     H, W, b, model = hidden_states(args.model, load_text(args.text), args.positions, dtype)
     H = H.float()
     index = None
@@ -113,15 +121,15 @@ def main(argv=None) -> dict:
     identical = bool(torch.equal(res.logits.argmax(1), full.argmax(1)))
     sizes = torch.tensor(st.subvocab_sizes, dtype=torch.float64) / head.vocab_size
 
-    Wf = W.float()
     rows = H[torch.linspace(0, len(H) - 1, args.timing_rows).long()]
-    dense_fn = (lambda h: h @ Wf.T + b) if b is not None else (lambda h: h @ Wf.T)
+    dense_fn = head.stock  # what nn.Linear computes, in the head's dtype
     dense_ms, cert_ms = [], []
-    for h in rows:  # interleaved, one decode-like row at a time
-        h = h[None]
-        dense_fn(h), head.topk(h)
-        dense_ms.append(timeit(lambda: dense_fn(h), args.reps))
-        cert_ms.append(timeit(lambda: head.topk(h), args.reps))
+    with cpu_load(args.load):
+        for h in rows:  # interleaved, one decode-like row at a time
+            h = h[None]
+            dense_fn(h), head.topk(h)
+            dense_ms.append(timeit(lambda: dense_fn(h), args.reps))
+            cert_ms.append(timeit(lambda: head.topk(h), args.reps))
     ratios = [d / c for d, c in zip(dense_ms, cert_ms)]
     report = {
         "model": Path(args.model).name, "provider": args.provider, "dtype": args.dtype,
@@ -137,6 +145,7 @@ def main(argv=None) -> dict:
         "head_ms_dense": statistics.median(dense_ms), "head_ms_certified": statistics.median(cert_ms),
         "head_speedup_vs_dense": statistics.median(ratios),
         "provider_setup_s": setup_s, "torch_threads": torch.get_num_threads(),
+        "load": args.load, "machine_before": before,
     }
     if index is not None:
         report["num_clusters"] = index.config.num_clusters
