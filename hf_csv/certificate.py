@@ -251,7 +251,8 @@ class CertifiedHead:
         call runs on the thread count the tuner finds faster (hf_csv_kernels.threads)."""
         if self._tuner is None:
             return self._run_rows(H, fn, *args, **kwargs)
-        with self._tuner((fn.__name__, H.shape[0] if H.dim() == 2 else -1)):
+        n = H.shape[0] if H.dim() == 2 else 0
+        with self._tuner((fn.__name__, 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65)):
             return self._run_rows(H, fn, *args, **kwargs)
 
     def _run_rows(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:

@@ -7,12 +7,13 @@ For every row W_i we store q_i (int8) and s_i with Ŵ_i = s_i q_i, and the exact
 * ``l1[i]      >= ||Ŵ_i||_1``        (multiplies the per-coordinate activation error)
 * ``abs_l1[i]  >= ||W_i||_1``        (floating-point accumulation margins of the recompute)
 
-They are computed in float64 and rounded *up* to float32, so every bound built
-from them is an over-estimate of the real-number quantity.
+They are computed in float32 with rigorous rounding margins (proof in :func:`rows_from_codes`), so
+every bound built from them is an over-estimate of the real-number quantity.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -60,11 +61,65 @@ class Int8Rows:
         return self.q.float() * self.scale[:, None]
 
 
-def _quantize_rows(weight: torch.Tensor, chunk_rows: int, qdtype: torch.dtype, qmax: float, encode) -> Int8Rows:
-    """Per-row symmetric quantization with scale_i = max|W_i| / qmax; ``encode(w / s)`` gives the codes.
+class _Work:
+    """Reusable fp32 scratch for one chunk of rows. Each op writes into it (``out=`` / in place):
+    a fresh multi-MB tensor per op would be a fresh mmap, and its page faults cost more than the op."""
 
-    The error terms are computed in float64 from the decoded codes (exact for int8 and e4m3 times a
-    float32 scale) and rounded up to float32, chunked so that at most ``chunk_rows`` rows are held.
+    def __init__(self, rows: int, d: int, device: torch.device):
+        self.a, self.b, self.c = (torch.empty(rows, d, dtype=torch.float32, device=device) for _ in range(3))
+
+    def views(self, n: int):
+        return self.a[:n], self.b[:n], self.c[:n]
+
+
+def _terms_into(out: "Int8Rows", lo: int, w: torch.Tensor, qf: torch.Tensor, s: torch.Tensor,
+                buf: torch.Tensor, absw: Optional[torch.Tensor] = None) -> None:
+    """Rigorous fp32 error terms of rows ``lo..`` from the weight chunk ``w`` (fp32), the decoded codes
+    ``qf`` (fp32, overwritten), scales ``s`` and a scratch ``buf`` of w's shape; written into ``out``.
+    ``absw``: ``|w|`` if the caller has it. Proof: :func:`rows_from_codes`."""
+    d = w.shape[1]
+    u = unit_roundoff()
+    g = gamma(d + 3)
+    hi = lo + w.shape[0]
+    l1_c = torch.abs(qf, out=buf).sum(1).mul_(s).mul_((1 + g) * (1 + 4 * u))  # >= s·Σ|q| = ||ŵ||_1
+    diff = torch.sub(w, qf.mul_(s[:, None]), out=buf)
+    out.err_l2[lo:hi] = diff.norm(dim=1).mul_(1 + g).add_(l1_c * (3 * u)).mul_(1 + 4 * u)
+    out.l1[lo:hi] = l1_c
+    out.abs_l1[lo:hi] = (torch.abs(w, out=buf) if absw is None else absw).sum(1).mul_((1 + g) * (1 + 4 * u))
+
+
+# Rows per chunk: small enough that a chunk's fp32 working copies stay in cache (each op of the
+# quantization then runs at cache speed, not memory speed), large enough to amortize the op overhead.
+_CHUNK_ELEMS = 1 << 19
+
+
+def _chunk_rows(d: int, chunk_rows: Optional[int]) -> int:
+    return max(1, chunk_rows if chunk_rows else _CHUNK_ELEMS // max(1, d))
+
+
+def _chunks(V: int, step: int, desc: str, progress: bool):
+    """Chunk starts; a tqdm bar appears only if the loop takes longer than a second."""
+    starts = range(0, V, step)
+    if not progress:
+        return starts
+    from tqdm.auto import tqdm
+
+    return tqdm(starts, desc=desc, delay=1.0, leave=False, unit="chunk")
+
+
+def _as_f32(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``x`` as fp32: itself when it already is (never written), else copied into ``buf``."""
+    return x if x.dtype == torch.float32 else buf.copy_(x)
+
+
+def _quantize_rows(weight: torch.Tensor, chunk_rows: Optional[int], qdtype: torch.dtype, qmax: float,
+                   progress: bool = True) -> Int8Rows:
+    """Per-row symmetric quantization with scale_i = max|W_i| / qmax: int8 codes round(w/s) clamped to
+    ±127, or fp8 e4m3 codes (round to nearest) of w/s clamped to ±448.
+
+    The error terms come from :func:`_terms_into` (fp32 with rigorous margins; the same function that
+    :func:`rows_from_codes` uses, so a saved screen and its recompute agree bit for bit), chunked so that
+    the working copies stay in cache.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, d], got shape {tuple(weight.shape)}")
@@ -73,38 +128,45 @@ def _quantize_rows(weight: torch.Tensor, chunk_rows: int, qdtype: torch.dtype, q
     V, d = weight.shape
     q = torch.empty(V, d, dtype=qdtype, device=weight.device)
     scale = torch.empty(V, dtype=torch.float32, device=weight.device)
-    err_l2 = torch.empty_like(scale)
-    l1 = torch.empty_like(scale)
-    abs_l1 = torch.empty_like(scale)
-    for lo in range(0, V, chunk_rows):
-        w = weight[lo : lo + chunk_rows].float()
-        if not torch.isfinite(w).all():
+    out = Int8Rows(q=q, scale=scale, err_l2=torch.empty_like(scale), l1=torch.empty_like(scale),
+                   abs_l1=torch.empty_like(scale))
+    step = _chunk_rows(d, chunk_rows)
+    work = _Work(min(step, V), d, weight.device)
+    wbuf = torch.empty(min(step, V), d, dtype=torch.float32, device=weight.device) \
+        if weight.dtype != torch.float32 else None
+    for lo in _chunks(V, step, f"hf_csv: quantizing the head ({V} x {d})", progress):
+        hi = min(V, lo + step)
+        a, b, c = work.views(hi - lo)
+        w = _as_f32(weight[lo:hi], wbuf[: hi - lo] if wbuf is not None else None)
+        absw = torch.abs(w, out=a)
+        amax = absw.amax(1)
+        if not bool(torch.isfinite(amax).all()):
             raise ValueError("head weight contains non-finite values")
-        s = w.abs().amax(1) / qmax
-        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero row: any scale is exact
-        qi = encode(w / s[:, None])
-        q[lo : lo + chunk_rows] = qi
-        scale[lo : lo + chunk_rows] = s
-        wd = w.double()
-        deq = qi.double() * s.double()[:, None]  # code times scale is exact in float64
-        err_l2[lo : lo + chunk_rows] = round_up_f32((wd - deq).norm(dim=1) * (1 + 1e-12))
-        l1[lo : lo + chunk_rows] = round_up_f32(deq.abs().sum(1) * (1 + 1e-12))
-        abs_l1[lo : lo + chunk_rows] = round_up_f32(wd.abs().sum(1) * (1 + 1e-12))
-    return Int8Rows(q=q, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+        sc = amax / qmax
+        sc = torch.where(sc > 0, sc, torch.ones_like(sc))  # all-zero row: any scale is exact
+        x = torch.div(w, sc[:, None], out=b)
+        if qdtype == torch.int8:
+            x.round_().clamp_(-127, 127)  # integers: their fp32 values are the codes' exactly
+            q[lo:hi].copy_(x)
+        else:
+            q[lo:hi].copy_(x.clamp_(-qmax, qmax))  # round to nearest e4m3
+            x.copy_(q[lo:hi])  # the codes' fp32 values
+        scale[lo:hi] = sc
+        _terms_into(out, lo, w, x, sc, c, absw)
+    return out
 
 
 @torch.no_grad()
-def quantize_rows_int8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+def quantize_rows_int8(weight: torch.Tensor, chunk_rows: Optional[int] = None, progress: bool = True) -> Int8Rows:
     """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127)."""
-    return _quantize_rows(weight, chunk_rows, torch.int8, 127.0,
-                          lambda x: torch.round(x).clamp_(-127, 127).to(torch.int8))
+    return _quantize_rows(weight, chunk_rows, torch.int8, 127.0, progress)
 
 
 QuantRows = Int8Rows  # the same container serves both formats
 
 
 @torch.no_grad()
-def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: Optional[int] = None, progress: bool = True) -> Int8Rows:
     """Per-row scaled fp8 e4m3 rows (scale_i = max|W_i| / 448), with the same rigorous error terms.
 
     e4m3 keeps 3 mantissa bits at every magnitude, so small weights keep their relative precision
@@ -114,12 +176,12 @@ def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows
     """
     if not hasattr(torch, "float8_e4m3fn"):  # pragma: no cover - old torch
         raise RuntimeError("this torch has no float8_e4m3fn dtype")
-    return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX,
-                          lambda x: x.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
+    return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX, progress)
 
 
 @torch.no_grad()
-def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk_rows: int = 16384) -> Int8Rows:
+def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk_rows: Optional[int] = None,
+                    progress: bool = True) -> Int8Rows:
     """Rebuild :class:`Int8Rows` for ``weight`` from stored codes ``q`` and scales, recomputing every
     error term from ``weight`` itself in float32 with rigorous rounding margins.
 
@@ -136,19 +198,15 @@ def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(scale.shape)} do not fit a head of shape "
                          f"{tuple(weight.shape)}")
     V, d = weight.shape
-    u = unit_roundoff()
-    g = gamma(d + 3)
-    err_l2 = torch.empty(V, dtype=torch.float32, device=weight.device)
-    l1 = torch.empty_like(err_l2)
-    abs_l1 = torch.empty_like(err_l2)
     s_all = scale.float()
-    for lo in range(0, V, chunk_rows):
-        w = weight[lo: lo + chunk_rows].float()  # may be the weight itself (float32): never written
-        s = s_all[lo: lo + chunk_rows]
-        qf = q[lo: lo + chunk_rows].float()
-        l1_c = qf.abs().sum(1).mul_(s).mul_((1 + g) * (1 + 4 * u))  # >= s·Σ|q| = ||ŵ||_1
-        diff = torch.sub(w, qf.mul_(s[:, None]))
-        err_l2[lo: lo + chunk_rows] = diff.norm(dim=1).mul_(1 + g).add_(l1_c * (3 * u)).mul_(1 + 4 * u)
-        l1[lo: lo + chunk_rows] = l1_c
-        abs_l1[lo: lo + chunk_rows] = w.abs().sum(1).mul_((1 + g) * (1 + 4 * u))
-    return Int8Rows(q=q, scale=s_all, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+    out = Int8Rows(q=q, scale=s_all, err_l2=torch.empty(V, dtype=torch.float32, device=weight.device),
+                   l1=torch.empty(V, dtype=torch.float32, device=weight.device),
+                   abs_l1=torch.empty(V, dtype=torch.float32, device=weight.device))
+    step = _chunk_rows(d, chunk_rows)
+    work = _Work(min(step, V), d, weight.device)
+    for lo in _chunks(V, step, f"hf_csv: checking the stored screen ({V} x {d})", progress):
+        hi = min(V, lo + step)
+        a, b, c = work.views(hi - lo)
+        w = _as_f32(weight[lo:hi], a)  # may be the weight itself (float32): _terms_into never writes into w
+        _terms_into(out, lo, w, b.copy_(q[lo:hi]), s_all[lo:hi], c)
+    return out

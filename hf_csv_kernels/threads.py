@@ -58,11 +58,13 @@ def caller_threads() -> Iterator[None]:
 
 class ThreadTuner:
     """Per key (e.g. method and batch rows): run on ``torch.get_num_threads()`` threads or on one,
-    whichever the recent median says is faster. Probes the other count every ``probe`` calls
-    (doubling up to ``max_probe`` while the choice holds). Thread-safe bookkeeping."""
+    whichever the recent *mean* says is faster (the mean, not the median: under load the many-thread
+    runs are fast most of the time and stall now and then, and the stalls are what users wait for).
+    The caller's count must beat one thread by ``margin`` to be kept. Probes the other count every
+    ``probe`` calls (doubling up to ``max_probe`` while the choice holds). Thread-safe bookkeeping."""
 
-    def __init__(self, window: int = 5, probe: int = 8, max_probe: int = 64):
-        self.window, self.probe0, self.max_probe = window, probe, max_probe
+    def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):
+        self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
         self._lock = threading.Lock()
         self._state: dict = {}
 
@@ -99,7 +101,7 @@ class ThreadTuner:
             st = self._state[key]
             st["t"][n].append(dt)
             if all(len(st["t"][a]) >= 3 for a in (T, 1)):
-                best = min((T, 1), key=lambda a: statistics.median(st["t"][a]))
+                best = T if statistics.fmean(st["t"][T]) < self.margin * statistics.fmean(st["t"][1]) else 1
                 if best == st["best"]:
                     st["probe"] = min(self.max_probe, st["probe"] * 2) if n != best else st["probe"]
                 else:

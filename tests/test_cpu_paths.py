@@ -1,0 +1,127 @@
+"""The CPU speed paths change speed only: thread tuning, chunked fbgemm packs, the chunked quantizer."""
+import threading
+
+import pytest
+import torch
+
+import hf_csv_kernels.screen as scr
+from hf_csv.certificate import CertifiedHead
+from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
+from hf_csv_kernels.quantize import rows_from_codes
+from hf_csv_kernels.threads import ThreadTuner, caller_threads
+
+
+def test_tuner_picks_the_faster_count_and_reprobes():
+    tu = ThreadTuner(window=4, probe=4, max_probe=8)
+    T = 2
+    seen = []
+    for i in range(40):  # one thread "takes" 1 ms, two threads 5 ms (a loaded machine)
+        n = tu._pick("k", T)
+        seen.append(n)
+        tu._record("k", n, T, 0.001 if n == 1 else 0.005)
+    assert tu.choice("k") == 1
+    tail = seen[10:]
+    assert 0 < tail.count(2) <= len(tail) // 4  # mostly one thread, still probing the other
+    for i in range(60):  # the load goes away: two threads become faster
+        n = tu._pick("k", T)
+        tu._record("k", n, T, 0.001 if n == 2 else 0.005)
+    assert tu.choice("k") == 2
+
+
+def test_tuner_margin_keeps_one_thread_on_a_draw():
+    tu = ThreadTuner(window=4, probe=4)
+    for _ in range(20):
+        n = tu._pick("k", 2)
+        tu._record("k", n, 2, 0.001)
+    assert tu.choice("k") == 1
+
+
+def test_tuner_restores_threads_also_on_error(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("HF_CSV_HEAD_THREADS", "1")
+        tu = ThreadTuner()
+        with pytest.raises(RuntimeError):
+            with tu("k") as n:
+                assert n == 1 and torch.get_num_threads() == 1
+                with caller_threads():
+                    assert torch.get_num_threads() == 2  # the exact recompute runs as the caller does
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("HF_CSV_HEAD_THREADS", "zero")
+        with pytest.raises(ValueError, match="HF_CSV_HEAD_THREADS"):
+            with tu("k"):
+                pass
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", ["1", "auto"])
+def test_certified_topk_is_the_same_on_any_thread_count(monkeypatch, threads):
+    monkeypatch.setenv("HF_CSV_HEAD_THREADS", threads)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3000, 64, generator=g)
+    H = torch.randn(5, 64, generator=g) * 3
+    ch = CertifiedHead(W)
+    ref = torch.nn.functional.linear(H, W)
+    for _ in range(12):  # through the tuner's warm-up and its choice
+        out = ch.topk(H, 3).logits
+        top = out.topk(3, dim=1)
+        assert torch.equal(top.indices, ref.topk(3, dim=1).indices)
+        assert torch.equal(top.values, ref.topk(3, dim=1).values)
+
+
+@pytest.mark.skipif(not scr.fbgemm_available(), reason="needs fbgemm")
+def test_chunked_packs_give_the_same_screen_and_swap_to_one(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(1000, 48, generator=g)
+    H = torch.randn(3, 48, generator=g)
+    H[:, 5] *= 200  # a massive activation, kept exact as an outlier column
+    rows = quantize_rows_int8(W, progress=False)
+    cols = torch.tensor([5])
+    whole = scr.prepare_screen(rows, cols)
+    assert len(whole.packed) == 1
+    monkeypatch.setattr(scr, "_PACK_ROWS", 96)
+    started = []
+    real_thread = threading.Thread
+
+    def spy(*a, **k):
+        t = real_thread(*a, **k)
+        started.append(t)
+        return t
+
+    monkeypatch.setattr(scr.threading, "Thread", spy)
+    chunked = scr.prepare_screen(rows, cols)
+    e1, r1 = scr.screen_int8_cpu(whole, H)
+    for t in started:
+        t.join()
+    assert len(chunked.packed) == 1  # consolidated in the background
+    nocons = scr.prepare_screen(rows, cols, consolidate=False)
+    assert len(nocons.packed) == 11
+    e2, r2 = scr.screen_int8_cpu(nocons, H)
+    assert torch.equal(e1, e2) and torch.equal(r1, r2)
+    ex = H.double() @ W.double().T
+    assert ((ex - e2.double()).abs() <= r2.double()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt):
+    """An artifact's stored terms and their recompute from the live head must match exactly
+    (the artifact check compares them), whatever the chunking."""
+    g = torch.Generator().manual_seed(2)
+    W = (torch.randn(777, 40, generator=g) * torch.logspace(-3, 1, 777)[:, None]).to(dtype)
+    W[3] = 0
+    quant = quantize_rows_int8 if fmt == "int8" else quantize_rows_fp8
+    r = quant(W, chunk_rows=64, progress=False)
+    r2 = rows_from_codes(W, r.q, r.scale, chunk_rows=100, progress=False)
+    for k in ("err_l2", "l1", "abs_l1"):
+        assert torch.equal(getattr(r, k), getattr(r2, k)), k
+    deq = r.q.double() * r.scale.double()[:, None]
+    assert (r.err_l2.double() >= (W.double() - deq).norm(dim=1)).all()
+    assert (r.l1.double() >= deq.abs().sum(1)).all()
+    assert (r.abs_l1.double() >= W.double().abs().sum(1)).all()
+    r3 = quant(W, progress=False)  # default chunking: same codes
+    assert torch.equal(r3.q.view(torch.int8), r.q.view(torch.int8))
