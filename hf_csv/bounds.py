@@ -48,7 +48,8 @@ class ScreenProvider:
     name = "screen"
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
-                 outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8", rows: Optional[Int8Rows] = None):
+                 outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8", rows: Optional[Int8Rows] = None,
+                 background: bool = False):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be [V, d], got {tuple(weight.shape)}")
         self.vocab_size, self.hidden_size = weight.shape
@@ -66,12 +67,24 @@ class ScreenProvider:
             raise ValueError(f"screen rows {tuple(self.rows.q.shape)} do not fit the head {tuple(weight.shape)}")
         self.num_outliers = min(int(num_outliers if outlier_cols is None else outlier_cols.numel()), self.hidden_size)
         self.state = None
+        self.background = background  # pack a large head in a background thread (see ready())
         self._calibrating = threading.Lock()  # concurrent first calls calibrate once
         if outlier_cols is not None or self.num_outliers == 0:
             self._prepare(outlier_cols)
 
     def _prepare(self, cols: Optional[torch.Tensor]) -> None:
-        self.state = prepare_screen(self.rows, cols)
+        self.state = prepare_screen(self.rows, cols, background=self.background)
+
+    def warm(self, H: torch.Tensor) -> None:
+        """Calibrate on ``H`` if this is the first call (starts the packing)."""
+        if self.state is None:
+            with self._calibrating:
+                if self.state is None:
+                    self.calibrate(H)
+
+    def ready(self) -> bool:
+        """False while the int8 rows are still being packed in the background (the screen would wait)."""
+        return self.state is not None and self.state.ready.is_set()
 
     @torch.no_grad()
     def calibrate(self, H: torch.Tensor) -> torch.Tensor:
@@ -83,10 +96,7 @@ class ScreenProvider:
 
     @torch.no_grad()
     def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.state is None:
-            with self._calibrating:
-                if self.state is None:
-                    self.calibrate(H)
+        self.warm(H)
         est, rad = get_op("screen_int8", H.device)(self.state, H)
         if self.bias is not None:
             est = est.add_(self.bias)

@@ -85,6 +85,10 @@ class CertResult:
     # [N] fp32: every token outside S has a stock logit (in the value dtype, before any post-head
     # transform) <= bound; -inf where the row holds the full head (top-k only)
     bound: Optional[torch.Tensor] = None
+    # sample (lazy Gumbel) only: the Gumbel noise [N, V] and the cut [N]: every i ∉ S has
+    # law_i + noise_i < cut (law: stock's final value before any lowering processor); -inf on complete rows
+    noise: Optional[torch.Tensor] = None
+    cut: Optional[torch.Tensor] = None
 
 
 class CertifiedHead:
@@ -152,6 +156,15 @@ class CertifiedHead:
         if H.dim() != 2 or H.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [N, {self.hidden_size}], got {tuple(H.shape)}")
         return H.float(), (H if H.dtype == self.weight.dtype else H.to(self.weight.dtype))
+
+    def ready(self, H: torch.Tensor) -> bool:
+        """Whether a certified call now would run without waiting for a background part of the build
+        (the screen's first packing of a large head). Calibrates on ``H`` if needed. Callers that must
+        not wait use the full head meanwhile; calling a method anyway is correct, it just waits."""
+        p = self.provider
+        if hasattr(p, "warm"):
+            p.warm(H.reshape(-1, self.hidden_size))
+        return bool(p.ready()) if hasattr(p, "ready") else True
 
     def full(self, H: torch.Tensor) -> torch.Tensor:
         """The full head in fp32 arithmetic (the real-valued reference of the bounds' tests)."""
@@ -284,7 +297,16 @@ class CertifiedHead:
             if sub.tokens is not None:
                 tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
                 tokens[good] = sub.tokens
-        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound)
+        noise = cut = None
+        if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
+            if tokens is None:
+                tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
+            noise = _gumbel((N, self.vocab_size), Hf.device, kwargs.get("generator"))
+            cut = torch.full((N,), float("-inf"), device=Hf.device)
+            if len(good):
+                noise[good] = sub.noise
+                cut[good] = sub.cut
+        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound, noise=noise, cut=cut)
 
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
@@ -325,6 +347,38 @@ class CertifiedHead:
                 # within stock's accumulation error: a kernel that is not column-invariant could order these
                 tol = 2 * self.stock_error(Hf) + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
                 stats.near_ties += int((gap <= tol).sum())
+        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound)
+
+    # ------------------------------------------------------ threshold
+    @torch.no_grad()
+    def threshold(self, H: torch.Tensor, delta: float, out_dtype: Optional[torch.dtype] = None,
+                  rel: float = 0.0) -> CertResult:
+        """Dense logits, exact on a set S that holds every token whose stock logit can be within
+        ``delta + rel·|max|`` of the row's maximum, -inf outside; ``bound`` bounds every uncomputed token's
+        stock logit. (``rel`` widens the band for processors that may lower the top token.)
+
+        Proof as for :meth:`topk` with the seed's lower value lowered by ``delta``: every i ∉ S has stock
+        value (rounded to ``out_dtype``) <= ``bound`` < round(lo − delta) <= max − delta. Used for min-p
+        sampling (docs/certificates.md §3.3), whose per-row check right before the min-p warper decides the rest.
+        """
+        if not (delta >= 0 and math.isfinite(delta)):
+            raise ValueError(f"delta must be finite and >= 0, got {delta}")
+        if not (rel >= 0 and math.isfinite(rel)):
+            raise ValueError(f"rel must be finite and >= 0, got {rel}")
+        return self._run_nonfinite(H, self._threshold, delta=float(delta), out_dtype=out_dtype, rel=float(rel))
+
+    def _threshold(self, Hf: torch.Tensor, Hn: torch.Tensor, delta: float,
+                   out_dtype: Optional[torch.dtype] = None, rel: float = 0.0) -> CertResult:
+        d = out_dtype or torch.float32
+        N = Hf.shape[0]
+        stats = CertStats(vocab_size=self.vocab_size)
+        est, U = self.provider(Hf)
+        seeds = est.argmax(1)
+        lo = self._stock_lower(seeds, torch.arange(N, device=Hf.device), Hf)
+        t, bound = _cut(_down(lo - delta - rel * lo.abs(), 3), self.stock_error(Hf), d)
+        S = U >= t[:, None]
+        logits, info = self._dense(S, Hf, Hn, d, stats, U)
+        bound = bound.masked_fill(info.complete, float("-inf"))
         return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound)
 
     # ------------------------------------------------------ ε-softmax
@@ -475,8 +529,9 @@ class CertifiedHead:
         logits, info = self._dense(S, Hf, Hn, d, stats, U)
         law = self._law(logits, d, post, warps, mask=S)
         tokens = (law + g).argmax(1)
+        cut = t.masked_fill(info.complete, float("-inf"))
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,
-                          bound=torch.full((N,), float("-inf"), device=Hf.device))
+                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut)
 
 
 @dataclass

@@ -60,6 +60,8 @@ class StepStash:
     fed_total: Optional[int] = None
     # [B, P] every token outside S has a stock logit (model dtype, before the post map) <= bound
     bound: Optional[torch.Tensor] = None
+    noise: Optional[torch.Tensor] = None  # [B, P, V] sample mode, draw after the processors: Gumbel noise
+    cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
 
     def position(self, input_len: int) -> int:
         """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
@@ -84,7 +86,7 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
-    mode: str = "full"  # full | topk | beam | sample | epsilon (set by policy.decide_mode)
+    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon (set by policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
@@ -100,6 +102,11 @@ class CSVSession:
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
     check_after: Any = None  # the processor the CSVLogitsProcessor check follows (None: the end of the list)
+    check_before: Any = None  # ... or precedes (threshold mode: the min-p warper)
+    min_p: float = 0.0  # threshold mode: the min-p warper's min_p
+    delta: float = 0.0  # threshold mode: the head computes every token within delta (raw logits) of the max
+    delta_rel: float = 0.0  # ... plus delta_rel·|max| (lowering processors may lower the top token)
+    draw_after: bool = False  # sample mode: the Gumbel draw happens in the CSVLogitsProcessor, after lowering ones
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
@@ -197,7 +204,8 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
             else:
                 kw = {}
                 if config.provider == "screen":
-                    kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant}
+                    # a large head is packed in the background; its first steps use the full head meanwhile
+                    kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant, "background": True}
                     if art is not None and art.screen is not None and art.screen.quant == config.screen_quant:
                         # skip the quantization: the stored codes, error terms recomputed from this head
                         kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols)
@@ -297,12 +305,24 @@ class CSVHead(nn.Module):
         ch = sess.head
         if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
             H = H.to(ch.weight.device)
+        ready = getattr(ch, "ready", None)  # (the vocabulary-parallel head builds synchronously on every rank)
+        if ready is not None and not ready(H):  # first call on a large head: the screen is still being packed
+            sess.note("the int8 screen is still being packed (first call): full head for these steps")
+            sess.full_calls += 1
+            sess.declined_rows += H.shape[0]
+            if sess.verify:
+                sess.last = None
+            sess.last_out = None
+            return self.inner(hidden)
         mode = sess.mode
         if mode == "topk":
             res = ch.topk(H, sess.k, out_dtype=sess.out_dtype)
             out = res.logits
             if sess.fill_tail and res.est is not None:
                 out = _fill_tail(out, res.est, res.mask)
+        elif mode == "threshold":
+            res = ch.threshold(H, sess.delta, out_dtype=sess.out_dtype, rel=sess.delta_rel)
+            out = res.logits
         elif mode in ("beam", "epsilon"):
             eps = sess.config.beam_epsilon if mode == "beam" else sess.config.epsilon
             res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
@@ -310,7 +330,8 @@ class CSVHead(nn.Module):
         elif mode == "sample":
             post = None if sess.post is None or sess.post.identity else sess.post.apply
             res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps)
-            out = _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
+            # draw_after: exact logits on S; the CSVLogitsProcessor draws after the lowering processors
+            out = res.logits if sess.draw_after else _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
         else:  # pragma: no cover - decide_mode only sets the modes above
             raise CSVError(f"unknown hf_csv mode {mode!r}")
         if sess.config.stats:
@@ -321,8 +342,11 @@ class CSVHead(nn.Module):
             B, P = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (H.shape[0], 1)
             V = out.shape[-1]
             bound = None if res.bound is None else res.bound.view(B, P)
+            noise = None if res.noise is None else res.noise.view(B, P, V)
+            cut = None if res.cut is None else res.cut.view(B, P)
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
-                                  mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound)
+                                  mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
+                                  noise=noise, cut=cut)
         return out
 
 

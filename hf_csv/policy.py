@@ -126,6 +126,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     session.reasons.clear()
     session.verify = False
     session.check_after = None
+    session.check_before = None
+    session.draw_after = False
     if session.force_full:
         session.set_full(session.force_full)
         return session
@@ -218,13 +220,22 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
             session.mode, session.k, session.verify = "topk", top_k, True
             session.check_after = processors[i]
             return session
+    why = _min_p_plan(session, processors, topks)
+    if why is None:
+        return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampling after {post.describe()}: the map turns uncomputed -inf logits into finite "
                          "scores that keep probability")
         return session
+    orders = {type(p).__name__ for p in processors if classify_processor(p) == "order"}
+    if lower and not norm and len(topks) == 0 and orders <= {"TemperatureLogitsWarper", "InfNanRemoveLogitsProcessor"}:
+        # lazy Gumbel with the draw after the lowering processors (docs/certificates.md §2.3): they only lower
+        # scores, so the head's upper bounds stay upper bounds; the CSVLogitsProcessor (last) draws and checks
+        session.mode, session.verify, session.draw_after = "sample", True, True
+        return session
     if lower:
-        session.set_full(f"sampling with token-specific processors {kinds['lower']} and no top-k (they must act "
-                         "before the draw)")
+        session.set_full(f"sampling with token-specific processors {kinds['lower']} and a normalizing warper "
+                         "or several top-k warpers")
         return session
     if norm:
         if cfg.mode == "epsilon" and post.identity:
@@ -238,6 +249,47 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         return session
     session.mode = "sample"
     return session
+
+
+# min-p's kept set is {p_i >= min_p · p_max} = {x_i − max >= ln(min_p)}; below this, min_p would keep
+# tokens whose probability underflows (docs/certificates.md §3.3)
+_MIN_LOG_MIN_P = -60.0
+
+
+def _min_p_plan(session: CSVSession, processors: list, topks: list) -> Optional[str]:
+    """Threshold mode for min-p sampling without a top-k (docs/certificates.md §3.3): the head computes
+    every token within ``delta`` of the max, and the check right before the min-p warper proves that
+    the warper keeps exactly stock's tokens. Returns None when set, else why not (the caller goes on)."""
+    if topks or session.config.mode == "sample":
+        return "top-k present or sample mode requested"
+    names = [type(p).__name__ for p in processors]
+    norms = [i for i, p in enumerate(processors) if classify_processor(p) == "norm"]
+    if len(norms) != 1 or names[norms[0]] != "MinPLogitsWarper":
+        return "not min-p alone"
+    i = norms[0]
+    mp = processors[i]
+    if int(getattr(mp, "min_tokens_to_keep", 1)) != 1 or getattr(mp, "filter_value", float("-inf")) != float("-inf"):
+        return "min_tokens_to_keep or filter_value differ from generate's"
+    min_p = float(mp.min_p)
+    if not (min_p > 0 and math.log(min_p) >= _MIN_LOG_MIN_P):
+        return "min_p too small to certify"
+    if {classify_processor(p) for p in processors[:i]} - {"order", "lower"}:
+        return "processors before min-p that are not order-preserving or lowering"
+    if any(classify_processor(p) not in ("order", "lower") for p in processors[i + 1:]):
+        return "processors after min-p"
+    temp = 1.0
+    for p in processors[:i]:
+        if type(p).__name__ == "TemperatureLogitsWarper":
+            temp *= float(p.temperature)
+    session.mode, session.verify = "threshold", True
+    session.min_p = min_p
+    # raw-logit width of the kept band (S's size only; the check decides correctness), plus slack
+    session.delta = -math.log(min_p) * temp * 1.001 + 1e-3
+    # a lowering processor (repetition penalty, ...) may lower the top token itself, and with it the
+    # threshold: widen the band by 10 % of the top logit (a 1.1 penalty's effect) so the check rarely fails
+    session.delta_rel = 0.1 if any(classify_processor(p) == "lower" for p in processors[:i]) else 0.0
+    session.check_before = mp
+    return None
 
 
 def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int]) -> CSVSession:

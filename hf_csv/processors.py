@@ -68,7 +68,7 @@ class CSVLogitsProcessor(LogitsProcessor):
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
-        if sess is None or not sess.verify or sess.mode not in ("topk", "beam"):
+        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "threshold", "sample"):
             return scores
         last = sess.last
         if last is None:
@@ -76,13 +76,15 @@ class CSVLogitsProcessor(LogitsProcessor):
         if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
             raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
         p = last.position(input_ids.shape[1])
+        if sess.mode == "sample":
+            return self._draw(input_ids, scores, sess, last, p)
         raw = last.logits[:, p]
         k = min(sess.k, raw.shape[1])
         if sess.draft and k > 1:
             # a sampled draft may use any distribution it returns; it only needs a finite row
             bad = ~torch.isfinite(scores.amax(1).float())
             return self._rerun(input_ids, scores, sess, last, p, bad)
-        if sess.mode == "topk":
+        if sess.mode in ("topk", "threshold"):
             bound = last.bound[:, p]
             ob = bound.to(raw.dtype)
             if sess.post is not None and not sess.post.identity:
@@ -94,8 +96,11 @@ class CSVLogitsProcessor(LogitsProcessor):
                 if classify_processor(proc) == "order":  # e.g. temperature: the same increasing map on all
                     ob = proc(input_ids, ob)
             ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
-            kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
-            bad = ~(kth > ob)
+            if sess.mode == "threshold":
+                bad = _min_p_unsure(scores.float(), ob, sess.min_p)
+            else:
+                kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
+                bad = ~(kth > ob)
         else:  # beam, ε-certificate (mode="epsilon"): bound in log-prob space
             r = raw.float()
             ob = r.amax(1) - torch.logsumexp(r, 1) + math.log(sess.config.beam_epsilon / 2)
@@ -103,6 +108,31 @@ class CSVLogitsProcessor(LogitsProcessor):
             kth = scores.float().topk(k, dim=1).values[:, -1]
             bad = ~(kth > ob)
         return self._rerun(input_ids, scores, sess, last, p, bad)
+
+    def _draw(self, input_ids, scores, sess, last, p):
+        """Sampling with lowering processors (docs/certificates.md §2.3): the Gumbel-max draw over the final
+        scores, exact because every uncomputed token's final score plus its noise is below the head's cut
+        (lowering processors only lower) and the winner here reaches it; rows where it does not are
+        recomputed with the full head (the same noise, so the law stays exact). Returns a one-hot row
+        (the winner keeps its score) from which stock's sampler can only draw the winner."""
+        g = last.noise[:, p]
+        val = scores.float() + g
+        win = val.max(1)
+        bad = ~(win.values >= last.cut[:, p]) | ~torch.isfinite(win.values)
+        tok = win.indices
+        if bool(bad.any()):
+            idx = bad.nonzero(as_tuple=True)[0]
+            full = self._rerun(input_ids, scores, sess, last, p, bad)
+            tok = tok.clone()
+            tok[idx] = (full[idx].float() + g[idx]).argmax(1)
+            scores = full
+        elif self.record:
+            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
+        out = torch.full_like(scores, float("-inf"))
+        r = torch.arange(scores.shape[0], device=scores.device)
+        # the winner's own score, finite (a row whose every score is -inf keeps stock's behaviour: all -inf)
+        out[r, tok] = scores[r, tok]
+        return out
 
     def _rerun(self, input_ids, scores, sess, last, p, bad):
         """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
@@ -128,3 +158,28 @@ class CSVLogitsProcessor(LogitsProcessor):
                 break
             new = proc(input_ids, new)
         return new
+
+
+# Relative slack of the min-p decision in float arithmetic (docs/certificates.md §3.3): the warper compares
+# fl(fl(exp(fl(x_i − m)))·r) with fl(min_p·r), r = fl(1/Z); the rounding moves x_i − m by at most
+# ~8u + u·|x_i − m| in log space (exp within 1 ulp). 1e-5 is a 20-fold margin over that, which also
+# covers an exp accurate to ~100 ulps.
+_MIN_P_SLACK = 1e-5
+
+
+def _min_p_unsure(x: torch.Tensor, ob: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Rows where the min-p warper's decision on this vector might differ from its decision on stock's.
+
+    Sure when (a) every uncomputed token's final score (<= ``ob``) is clearly below m + ln(min_p), so stock
+    removes it, as it is removed here (-inf, or a post-map value <= ob); and (b) every finite computed score
+    is clear of the threshold, so both vectors give it the same decision (the normalizer cancels).
+    m is the row max here, which is stock's max since every uncomputed score is below m.
+    """
+    lm = math.log(min_p)
+    m = x.amax(1)
+    gap_out = (m + lm) - ob
+    out_ok = (ob == float("-inf")) | (gap_out > _MIN_P_SLACK * (1 + (m - ob).abs()))
+    fin = torch.isfinite(x)
+    dist = (x - m[:, None] - lm).abs()
+    near = fin & ~(dist > _MIN_P_SLACK * (1 + (x - m[:, None]).abs()))
+    return ~out_ok | near.any(1) | ~torch.isfinite(m)

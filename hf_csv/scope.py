@@ -138,6 +138,8 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
             # the check goes right after the processor the certificate is about (sampling: the top-k
             # warper, so that every later warper sees stock's vector), else last
             at = next((i + 1 for i, p in enumerate(others) if p is sess.check_after), len(others))
+            if sess.check_before is not None:  # threshold mode: right before the min-p warper
+                at = next((i for i, p in enumerate(others) if p is sess.check_before), at)
             others = others[:at] + [verifier] + others[at:]
         procs[:] = others
         sess.processors = procs

@@ -40,6 +40,8 @@ class ScreenState:
     # fbgemm packed weights (CPU fast path): a list of (first row, packed rows); see prepare_screen
     packed: Optional[list] = None
     _cache: dict = field(default_factory=dict)
+    # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
+    ready: threading.Event = field(default_factory=threading.Event)
 
     @property
     def vocab_size(self) -> int:
@@ -88,12 +90,36 @@ def _consolidate(state: "ScreenState") -> None:
         pass
 
 
+def _pack_chunks(state: "ScreenState", consolidate: bool) -> None:
+    """Pack the rows in chunks on ``torch.get_num_threads()`` threads, mark the state ready, then
+    (optionally) consolidate in the background."""
+    rows = state.rows
+    V = rows.q.shape[0]
+    starts = list(range(0, V, _PACK_ROWS))
+    try:
+        if len(starts) == 1:
+            state.packed = [(0, _pack(rows.q, rows.scale))]
+        else:
+            with ThreadPoolExecutor(max(1, min(len(starts), torch.get_num_threads()))) as ex:
+                packs = list(ex.map(lambda lo: _pack(rows.q[lo: lo + _PACK_ROWS], rows.scale[lo: lo + _PACK_ROWS]),
+                                    starts))
+            state.packed = list(zip(starts, packs))
+    finally:
+        state.ready.set()  # on failure packed stays None: the (slow, correct) reference serves
+    if consolidate and state.packed is not None and len(state.packed) > 1:
+        # not a daemon: interpreter exit waits for it (a native call cannot be interrupted safely)
+        threading.Thread(target=_consolidate, args=(state,), name="hf_csv-screen-pack").start()
+
+
 def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True,
-                   consolidate: bool = True) -> ScreenState:
+                   consolidate: bool = True, background: bool = False) -> ScreenState:
     """Build the per-head screen state; pack the int8 rows for fbgemm when on CPU.
 
     Packing runs on ``torch.get_num_threads()`` threads in chunks of rows; with ``consolidate`` a
-    background thread then builds one pack for all rows (faster per call) and swaps it in.
+    background thread then builds one pack for all rows (faster per call) and swaps it in. With
+    ``background`` and a head of more than one chunk, the chunks are packed in a background thread
+    too and ``state.ready`` is set when they are in place; :func:`screen_int8_cpu` waits for it, so
+    callers that cannot wait check ``state.ready`` first (hf_csv uses the full head meanwhile).
     """
     V, d = rows.q.shape
     if outlier_cols is None:
@@ -104,17 +130,12 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
     state = ScreenState(rows=rows, outlier_cols=outlier_cols, w_outlier=w_out)
     if pack_cpu and rows.q.dtype == torch.int8 and rows.q.device.type == "cpu" and fbgemm_available():
-        starts = list(range(0, V, _PACK_ROWS))
-        if len(starts) == 1:
-            state.packed = [(0, _pack(rows.q, rows.scale))]
-        else:
-            with ThreadPoolExecutor(max(1, min(len(starts), torch.get_num_threads()))) as ex:
-                packs = list(ex.map(lambda lo: _pack(rows.q[lo: lo + _PACK_ROWS], rows.scale[lo: lo + _PACK_ROWS]),
-                                    starts))
-            state.packed = list(zip(starts, packs))
-            if consolidate:
-                # not a daemon: interpreter exit waits for it (a native call cannot be interrupted safely)
-                threading.Thread(target=_consolidate, args=(state,), name="hf_csv-screen-pack").start()
+        if background and V > _PACK_ROWS:
+            threading.Thread(target=_pack_chunks, args=(state, consolidate), name="hf_csv-screen-pack",
+                             daemon=False).start()
+            return state
+        _pack_chunks(state, consolidate)
+    state.ready.set()
     return state
 
 
@@ -148,6 +169,8 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     accumulation is exact; the remaining float steps (dequantization, rescale, the
     fp32 outlier GEMV over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
     """
+    if not state.ready.is_set():  # packing in the background: wait (hf_csv's head checks first)
+        state.ready.wait()
     if state.packed is None:  # fp8 rows, or a build without fbgemm: the weight-only reference
         return screen_int8_reference(state, H)
     rows = state.rows

@@ -107,9 +107,9 @@ class ThreadTuner:
                 else:
                     st["best"], st["probe"] = best, self.probe0
 
-    def choice(self, key) -> Optional[int]:
-        """The current choice for ``key`` (None before any call)."""
-        st = self._state.get(key)
+    def choice(self, key, threads: Optional[int] = None) -> Optional[int]:
+        """The current choice for ``key`` at the caller's thread count ``threads`` (None before any call)."""
+        st = self._state.get(key if threads is None else (key, threads))
         return None if st is None else st["best"]
 
     @contextlib.contextmanager
@@ -127,6 +127,7 @@ class ThreadTuner:
             finally:
                 _CALLER.n = prev
             return
+        key = (key, T)  # the caller's count is part of the key: it may change between calls
         n = self._pick(key, T)
         prev = getattr(_CALLER, "n", None)
         _CALLER.n = T

@@ -82,7 +82,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-clusters", type=int, default=None)
     ap.add_argument("--text", type=Path, default=DEFAULT_PROMPTS, help="text or prompts.jsonl")
     ap.add_argument("--positions", type=int, default=300)
-    ap.add_argument("--timing-rows", type=int, default=40, help="positions timed one at a time")
+    ap.add_argument("--timing-rows", type=int, default=40, help="head calls timed (each on --batch positions)")
+    ap.add_argument("--batch", type=int, default=1, help="positions per timed head call (decoding at batch B)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -121,16 +122,22 @@ def main(argv=None) -> dict:
     identical = bool(torch.equal(res.logits.argmax(1), full.argmax(1)))
     sizes = torch.tensor(st.subvocab_sizes, dtype=torch.float64) / head.vocab_size
 
-    rows = H[torch.linspace(0, len(H) - 1, args.timing_rows).long()]
+    B = max(1, args.batch)
+    starts = torch.linspace(0, len(H) - B, args.timing_rows).long()
+    groups = [H[int(i): int(i) + B] for i in starts]
     dense_fn = head.stock  # what nn.Linear computes, in the head's dtype
-    dense_ms, cert_ms = [], []
+    dense_ms, cert_ms, screen_ms = [], [], []
     with cpu_load(args.load):
-        for h in rows:  # interleaved, one decode-like row at a time
-            h = h[None]
+        for h in groups:  # interleaved, one decode-like call of B rows at a time
             dense_fn(h), head.topk(h)
             dense_ms.append(timeit(lambda: dense_fn(h), args.reps))
             cert_ms.append(timeit(lambda: head.topk(h), args.reps))
+            if args.provider == "screen":  # the screen alone: int8 GEMV + bounds, for its bandwidth
+                screen_ms.append(timeit(lambda: head.provider(h), args.reps))
     ratios = [d / c for d, c in zip(dense_ms, cert_ms)]
+    V_, d_ = W.shape
+    dense_bytes = V_ * d_ * W.element_size()
+    screen_bytes = V_ * d_ * 1  # one byte per weight (int8 / fp8 codes)
     report = {
         "model": Path(args.model).name, "provider": args.provider, "dtype": args.dtype,
         "quant": args.quant if args.provider == "screen" else None,
@@ -144,8 +151,12 @@ def main(argv=None) -> dict:
         "mean_bound_radius": st.as_dict()["mean_bound_radius"],
         "head_ms_dense": statistics.median(dense_ms), "head_ms_certified": statistics.median(cert_ms),
         "head_speedup_vs_dense": statistics.median(ratios),
+        # achieved bandwidth: bytes of the weight read per call / time (dense: the head's dtype; screen: codes)
+        "dense_gb_per_s": dense_bytes / statistics.median(dense_ms) / 1e6,
+        "screen_ms": statistics.median(screen_ms) if screen_ms else None,
+        "screen_gb_per_s": screen_bytes / statistics.median(screen_ms) / 1e6 if screen_ms else None,
         "provider_setup_s": setup_s, "torch_threads": torch.get_num_threads(),
-        "load": args.load, "machine_before": before,
+        "load": args.load, "batch": B, "machine_before": before,
     }
     if index is not None:
         report["num_clusters"] = index.config.num_clusters

@@ -125,3 +125,63 @@ def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt):
     assert (r.abs_l1.double() >= W.double().abs().sum(1)).all()
     r3 = quant(W, progress=False)  # default chunking: same codes
     assert torch.equal(r3.q.view(torch.int8), r.q.view(torch.int8))
+
+
+@pytest.mark.skipif(not scr.fbgemm_available(), reason="needs fbgemm")
+def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
+    """A large head is packed in the background; until then the certified head says not ready and
+    generate's head wrapper uses the full head (exact); a direct call waits instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_csv
+
+    monkeypatch.setattr(scr, "_PACK_ROWS", 64)
+    gate = threading.Event()
+    real_pack = scr._pack
+
+    def slow_pack(q, s):
+        gate.wait(30)
+        return real_pack(q, s)
+
+    monkeypatch.setattr(scr, "_pack", slow_pack)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    ref = m.generate(ids, max_new_tokens=6, do_sample=False)
+    hf_csv.enable(m)
+    try:
+        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["full_head_calls"] == st["head_calls"] == 6 and st["rows"] == 0
+        assert any("still being packed" in r for r in st["reasons"])
+        gate.set()
+        from hf_csv.head import find_head, get_certified_head
+
+        ch = get_certified_head(find_head(m)[1], hf_csv.CSVConfig())
+        ch.provider.state.ready.wait(30)
+        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["full_head_calls"] == 0 and st["certified"] == 6
+    finally:
+        gate.set()
+        hf_csv.disable(m)
+
+
+def test_tuner_follows_a_changed_caller_thread_count(monkeypatch):
+    monkeypatch.setenv("HF_CSV_HEAD_THREADS", "auto")
+    before = torch.get_num_threads()
+    tu = ThreadTuner()
+    try:
+        for T in (2, 3, 2):
+            torch.set_num_threads(T)
+            for _ in range(8):
+                with tu("k") as n:
+                    assert n in (1, T)
+                assert torch.get_num_threads() == T
+            assert tu.choice("k", T) in (1, T)
+    finally:
+        torch.set_num_threads(before)

@@ -7,7 +7,9 @@ top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram,
 tokens), output_scores and a stopping criterion that reads scores, and a CSVConfig. Then:
 
 * deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
-* sampling, certified: a chi-square test of the first token's law against stock's exact law
+* sampling with a top-k or min-p certificate (stock's sampler on stock's vector): the same tokens as stock
+  for the same seed;
+* sampling, certified otherwise (lazy Gumbel): a chi-square test of the first token's law against stock's exact law
   (softmax of stock's processed scores), over ``DRAWS`` draws, at a family-wise significance level
   ALPHA = 1e-3 (Bonferroni over the run's sampling cases), plus zero draws outside stock's support at
   every step of a multi-token run (stock's processed scores recomputed on hf_csv's own prefix);
@@ -132,7 +134,7 @@ def _case(i: int) -> dict:
     else:
         kw["do_sample"] = True
         for key, vals in (("temperature", [None, 0.6, 1.0, 1.7]), ("top_k", [None, 0, 1, 5, 40]),
-                          ("top_p", [None] * 6 + [0.9]), ("min_p", [None] * 6 + [0.1])):
+                          ("top_p", [None] * 6 + [0.9]), ("min_p", [None] * 5 + [0.05, 0.1, 0.3])):
             v = rng.choice(vals)
             if v is not None:
                 kw[key] = v
@@ -263,8 +265,9 @@ def _run(c: dict, n_sampling: int) -> dict:
                reruns=st["verify_reruns"])
     if c["kind"] != "sample" or st["mode"] == "full":
         ok, why = _same_outputs(a, b)  # declined: stock's head and sampler, the same random stream
-    elif st["mode"] == "topk":
-        ok, why = _same_outputs(a, b)  # stock's sampler on stock's (checked) top-K vector: the same draws
+    elif st["mode"] in ("topk", "threshold"):
+        # stock's sampler on stock's (checked) top-K / min-p vector: the same draws
+        ok, why = _same_outputs(a, b)
     else:
         ok, why = _law_check(m, c, inputs, n_sampling)
     res.update(ok=ok, why=why)

@@ -165,8 +165,11 @@ def test_suppressing_the_top_token_forces_a_rerun(llama):
     ({"do_sample": True, "top_k": 0}, "sample", None),
     ({"do_sample": True, "top_k": 0, "temperature": 0.7}, "sample", None),
     ({"do_sample": True, "top_k": 0, "top_p": 0.9}, "full", "TopPLogitsWarper"),
-    ({"do_sample": True, "top_k": 0, "min_p": 0.1}, "full", "MinPLogitsWarper"),
-    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2}, "full", "before the draw"),
+    ({"do_sample": True, "top_k": 0, "min_p": 0.1}, "threshold", None),  # min-p alone: threshold certificate
+    ({"do_sample": True, "top_k": 0, "min_p": 0.1, "temperature": 0.8, "repetition_penalty": 1.3}, "threshold", None),
+    ({"do_sample": True, "top_k": 0, "min_p": 0.1, "top_p": 0.9}, "full", "TopPLogitsWarper"),
+    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2}, "sample", None),  # draw after the lowering processors
+    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2, "top_p": 0.9}, "full", "normalizing warper"),
     ({"num_beams": 2}, "full", "log_softmax"),
     ({"output_logits": True, "return_dict_in_generate": True}, "full", "output_logits"),
     ({"repetition_penalty": 0.8}, "full", "RepetitionPenalty"),
@@ -277,6 +280,40 @@ def test_sampling_distribution_exact():
     assert sps.chi2_contingency(table).pvalue > ALPHA
 
 
+@pytest.mark.parametrize("scale,budget", [(10.0, 1.0), (10.0, 0.05), (1.0, 0.05)])
+def test_sampling_with_lowering_processors_law_exact(scale, budget):
+    """top_k=0 with repetition penalty and a bad word: the Gumbel draw after the processors (docs/certificates.md
+    §2.3) follows stock's law, softmax(processed scores / T) (chi-square, α = 1e-3, fixed seeds), also where
+    the check re-runs rows with the full head (a lowered top token, small budgets)."""
+    V, n, T = 48, 3000, 0.8
+    m = hf_csv.enable(tiny_llama(vocab=V, scale=scale, seed=3))
+    ids = torch.tensor([[5, 9, 17, 4]])
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits[0, -1].double()
+    top = int(logits.argmax())
+    ids = torch.tensor([[5, top, 17, 4]])  # the top token is in the context: the penalty lowers it
+    with torch.no_grad():
+        x = m(input_ids=ids).logits[0, -1].double()
+    pen, bad = 1.5, (top + 1) % V
+    for t in set(ids[0].tolist()):
+        x[t] = x[t] / pen if x[t] > 0 else x[t] * pen
+    x[bad] = float("-inf")
+    p = torch.softmax(x / T, 0).numpy()
+    kw = dict(max_new_tokens=1, do_sample=True, temperature=T, top_k=0, repetition_penalty=pen, bad_words_ids=[[bad]])
+    torch.manual_seed(0)
+    out = m.generate(input_ids=ids.repeat(n, 1), csv_config=CSVConfig(budget=budget), **kw)
+    st = m.csv_last_stats
+    assert st["mode"] == "sample" and st["reasons"] == [], st
+    c = np.bincount(out[:, -1].numpy(), minlength=V)
+    assert c[bad] == 0
+    keep = p * n >= 5
+    obs = np.append(c[keep], c[~keep].sum())
+    exp = np.append(p[keep] * n, p[~keep].sum() * n)
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1] * obs[:-1].sum() / exp[:-1].sum()
+    assert sps.chisquare(obs, exp).pvalue > ALPHA
+
+
 # ------------------------------------------------------------------ real models
 def _prompts(k=3):
     return [json.loads(line)["prompt"] for line in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()[:k]]
@@ -330,3 +367,29 @@ def test_whisper_tiny_greedy_identical():
         assert torch.equal(x, y)
         st = m.csv_last_stats
         assert st["mode"] == "topk" and st["certified_fraction"] > 0.9
+
+
+@pytest.mark.parametrize("kw", [
+    {"min_p": 0.1},
+    {"min_p": 0.05, "temperature": 0.7},
+    {"min_p": 0.3, "temperature": 1.3, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2},
+    {"min_p": 0.02, "top_k": 0, "bad_words_ids": [[7], [9]]},
+])
+@pytest.mark.parametrize("scale", [20.0, 3.0])
+def test_min_p_sampling_same_tokens_as_stock(kw, scale):
+    """min-p without top-k (threshold certificate, docs/certificates.md §3.3): the same tokens as stock for
+    the same seed, with most rows certified on a spread head and the check catching the rest."""
+    m = hf_csv.enable(tiny_llama(scale=scale, seed=3))
+    kw = dict(kw, do_sample=True, top_k=0, max_new_tokens=12)
+    cert = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        ref = m.generate(**_ids(batch=3, seed=seed), **kw)
+        torch.manual_seed(seed)
+        out = m.generate(**_ids(batch=3, seed=seed), csv_config=CSVConfig(), **kw)
+        assert torch.equal(out, ref), (seed, kw)
+        st = m.csv_last_stats
+        assert st["mode"] == "threshold", st
+        cert += st["certified"] - st["verify_reruns"]
+    if scale == 20.0:
+        assert cert > 0
