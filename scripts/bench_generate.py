@@ -8,7 +8,8 @@
     # under load (one busy process per extra core), in bf16, at batch 4:
     python scripts/bench_generate.py --model DIR --load 1 --dtype bfloat16 --batch 4 --json out/b.json
 
-``--load N`` starts N busy CPU processes for the timed part (stock and csv alike; the first call is
+``--preset {greedy,default-sample,qwen-chat,min-p}`` picks the decoding settings (sampling presets reseed
+before every call). ``--load N`` starts N busy CPU processes for the timed part (stock and csv alike; the first call is
 timed before them). ``--batch B`` left-pads B different prompts (Whisper: B copies of the clip).
 
 Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs interleaved
@@ -36,6 +37,15 @@ except ImportError:  # run as a module from elsewhere
     from scripts._load import cpu_load, machine_load
 
 HERE = Path(__file__).resolve().parent
+
+# --preset: the decoding settings people run. Sampling presets reseed before every call, so stock and
+# csv draw from the same random stream (top-k and min-p certificates give stock's tokens for a seed).
+PRESETS = {
+    "greedy": dict(do_sample=False, num_beams=1),
+    "default-sample": dict(do_sample=True),  # transformers' defaults: top_k=50, T=1
+    "qwen-chat": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+    "min-p": dict(do_sample=True, top_k=0, min_p=0.05, temperature=0.7),
+}
 PROMPTS = HERE.parents[1] / "shared" / "models" / "prompts.jsonl"
 
 
@@ -105,20 +115,26 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=0, help="busy CPU processes during the timed part")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     before = machine_load()
     model, inputs, extra = load(args.model, args.audio, getattr(torch, args.dtype), args.batch)
     hf_csv.enable(model)
     cfg = hf_csv.CSVConfig()
-    gen = dict(inputs, max_new_tokens=args.new_tokens, do_sample=False, num_beams=1, **extra)
+    gen = dict(inputs, max_new_tokens=args.new_tokens, **PRESETS[args.preset], **extra)
+    seeded = bool(gen.get("do_sample"))
     n_in = inputs["input_ids"].shape[1] if "input_ids" in inputs else 1  # Whisper: count tokens after the start token
 
     def stock():
+        if seeded:
+            torch.manual_seed(0)
         with torch.no_grad():
             return model.generate(**gen)
 
     def csv():
+        if seeded:
+            torch.manual_seed(0)
         with torch.no_grad():
             return model.generate(**gen, csv_config=cfg)
 
@@ -160,7 +176,7 @@ def main() -> None:
         "model": os.path.basename(os.path.normpath(args.model)),
         "audio": os.path.basename(args.audio) if args.audio else None,
         "new_tokens": int(new), "runs": args.runs, "threads": args.threads,
-        "load": args.load, "dtype": args.dtype, "batch": args.batch, "machine_before": before,
+        "load": args.load, "dtype": args.dtype, "batch": args.batch, "preset": args.preset, "machine_before": before,
         "tokens_per_s_stock": args.batch * new / ms, "tokens_per_s_csv": args.batch * new / mc, "speedup": speedup,
         "head_fraction": f, "limit": limit, "gain_fraction": (speedup - 1) / (limit - 1) if limit > 1 else float("nan"),
         "identical_tokens": bool(identical),
@@ -181,7 +197,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(1, 2, figsize=(8, 3))
         ax[0].bar(["stock", "csv"], [res["tokens_per_s_stock"], res["tokens_per_s_csv"]], color=["gray", "tab:blue"])
-        ax[0].set_ylabel(f"tokens/s (greedy, {args.dtype}, batch {args.batch}, load {args.load})")
+        ax[0].set_ylabel(f"tokens/s ({args.preset}, {args.dtype}, batch {args.batch}, load {args.load})")
         ax[1].bar(["speedup", "limit 1/(1-f)"], [speedup, limit], color=["tab:blue", "lightgray"])
         ax[1].axhline(1, color="k", lw=0.5)
         fig.suptitle(f"{res['model']}: gain fraction {res['gain_fraction']:.2f}")
