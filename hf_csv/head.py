@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -215,6 +216,10 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
                 ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
                                    budget=config.budget, **kw)
             ch._src_key = _weight_key(head)
+            from .speed import MIN_WEIGHTS, SpeedGuard
+
+            if isinstance(ch, CertifiedHead) and head.weight.numel() >= MIN_WEIGHTS and SpeedGuard.enabled():
+                ch._speed_guard = SpeedGuard()  # never slower than stock (hf_csv.speed)
             per[key] = ch
     return ch
 
@@ -314,6 +319,25 @@ class CSVHead(nn.Module):
                 sess.last = None
             sess.last_out = None
             return self.inner(hidden)
+        guard = getattr(ch, "_speed_guard", None)
+        gkey = None
+        if guard is not None and guard.enabled():
+            n = H.shape[0]
+            gkey = (sess.mode, 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65, sess.out_dtype,
+                    torch.get_num_threads())
+            if not guard.certified(gkey):
+                sess.note("the full head is measured faster than the certified one for this shape (hf_csv.speed)")
+                t0 = time.perf_counter()
+                out = self.inner(hidden)
+                guard.record(gkey, False, time.perf_counter() - t0)
+                sess.full_calls += 1
+                sess.declined_rows += H.shape[0]
+                if sess.verify:
+                    sess.last = None
+                sess.last_out = None
+                sess.extra["speed_guard"] = guard.summary(gkey)
+                return out
+            t0 = time.perf_counter()
         mode = sess.mode
         if mode == "topk":
             res = ch.topk(H, sess.k, out_dtype=sess.out_dtype)
@@ -347,6 +371,11 @@ class CSVHead(nn.Module):
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
                                   mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
                                   noise=noise, cut=cut)
+        if gkey is not None:
+            guard.record(gkey, True, time.perf_counter() - t0)
+            summ = guard.summary(gkey)
+            if summ is not None:
+                sess.extra["speed_guard"] = summ
         return out
 
 

@@ -185,3 +185,59 @@ def test_tuner_follows_a_changed_caller_thread_count(monkeypatch):
             assert tu.choice("k", T) in (1, T)
     finally:
         torch.set_num_threads(before)
+
+
+def test_speed_guard_unit():
+    from hf_csv.speed import SpeedGuard
+
+    g = SpeedGuard(window=4, probe=4, max_probe=8)
+    picks = []
+    for _ in range(60):  # the certified head takes 5 ms, the full head 1 ms
+        c = g.certified("k")
+        picks.append(c)
+        g.record("k", c, 0.005 if c else 0.001)
+    assert g.summary("k")["choice"] == "full"
+    assert 0 < sum(picks[20:]) <= 40 // 4  # mostly full, still probing
+    for _ in range(60):  # now the certified head is faster
+        c = g.certified("k")
+        g.record("k", c, 0.001 if c else 0.005)
+    assert g.summary("k")["choice"] == "certified"
+
+
+def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
+    """Never slower than stock: a certified head made artificially slow loses to the full head; tokens
+    stay stock's either way and the stats say which ran."""
+    import time as _time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_csv
+    import hf_csv.speed as speed
+    from hf_csv.certificate import CertifiedHead as CH
+
+    monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)
+    real_topk = CH.topk
+
+    def slow_topk(self, *a, **k):
+        _time.sleep(0.01)
+        return real_topk(self, *a, **k)
+
+    monkeypatch.setattr(CH, "topk", slow_topk)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    ref = m.generate(ids, max_new_tokens=20, do_sample=False)
+    hf_csv.enable(m)
+    try:
+        out = m.generate(ids, max_new_tokens=20, do_sample=False, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["speed_guard"]["choice"] == "full", st
+        assert st["full_head_calls"] >= 12 and any("measured faster" in r for r in st["reasons"])
+        monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
+        out = m.generate(ids, max_new_tokens=5, do_sample=False, csv_config=hf_csv.CSVConfig())
+        assert torch.equal(out, ref[:, : out.shape[1]]) and m.csv_last_stats["full_head_calls"] == 0
+    finally:
+        hf_csv.disable(m)

@@ -1,0 +1,73 @@
+"""Never slower than stock: use the full head where it is measured faster than the certified one.
+
+The certified head wins by a wide margin at batch 1 in fp32, but not everywhere: a bf16 head is read at
+half the bytes by stock's GEMV, a small head is dominated by fixed per-call costs, and a busy CPU changes
+both sides. So each certified head keeps, per (mode, batch rows, dtype, threads), the recent mean time of
+its certified calls and of full-head calls, and runs the full head while that is faster, probing the
+other side now and then (every 16 calls, doubling to 128 while the choice holds). Both sides are exact;
+this only picks the faster. The choice is reported in the call's stats (``speed_guard``).
+
+Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests stay certified), and
+``HF_CSV_SPEED_GUARD=0`` turns the guard off.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections import deque
+from typing import Optional
+
+__all__ = ["SpeedGuard", "MIN_WEIGHTS"]
+
+MIN_WEIGHTS = 1 << 21
+
+
+class SpeedGuard:
+    def __init__(self, window: int = 6, probe: int = 16, max_probe: int = 128, margin: float = 0.95):
+        self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
+        self._lock = threading.Lock()
+        self._state: dict = {}
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get("HF_CSV_SPEED_GUARD", "1").strip() not in ("0", "false", "no", "off")
+
+    def certified(self, key) -> bool:
+        """Whether this call should run the certified head (else the full head)."""
+        with self._lock:
+            st = self._state.get(key)
+            if st is None:
+                st = self._state[key] = {"c": deque(maxlen=self.window), "f": deque(maxlen=self.window),
+                                         "best": "c", "n": 0, "probe": self.probe0, "seen": 0}
+            st["n"] += 1
+            if len(st["c"]) < 3:
+                return True
+            if len(st["f"]) < 2:
+                return False
+            if st["n"] % st["probe"] == 0:
+                return st["best"] != "c"
+            return st["best"] == "c"
+
+    def record(self, key, certified: bool, seconds: float) -> None:
+        with self._lock:
+            st = self._state[key]
+            if certified and st["seen"] == 0:  # the first certified call may include one-off work
+                st["seen"] = 1
+                return
+            st["c" if certified else "f"].append(seconds)
+            if len(st["c"]) >= 3 and len(st["f"]) >= 2:
+                c, f = statistics.fmean(st["c"]), statistics.fmean(st["f"])
+                best = "f" if f < self.margin * c else "c"
+                if best == st["best"]:
+                    if ("c" if certified else "f") != best:  # a probe confirmed the choice
+                        st["probe"] = min(self.max_probe, st["probe"] * 2)
+                else:
+                    st["best"], st["probe"] = best, self.probe0
+
+    def summary(self, key) -> Optional[dict]:
+        st = self._state.get(key)
+        if st is None or not st["c"] or not st["f"]:
+            return None
+        return {"choice": "certified" if st["best"] == "c" else "full", "certified_ms": 1e3 * statistics.fmean(st["c"]),
+                "full_ms": 1e3 * statistics.fmean(st["f"])}
