@@ -26,9 +26,16 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["ThreadTuner", "caller_threads"]
+__all__ = ["ThreadTuner", "caller_threads", "intra_op_threads"]
 
 _CALLER = threading.local()  # the thread count the caller had before a tuned block
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads (the calling thread's count; restored on exit)."""
+    with _threads(n):
+        yield
 
 
 @contextlib.contextmanager
