@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
-from hf_csv_kernels.threads import ThreadTuner, caller_threads
+from hf_csv_kernels.threads import ThreadTuner, caller_threads, rows_bucket
 
 from .bounds import BoundProvider, make_provider
 from .index import VocabIndex
@@ -264,8 +264,7 @@ class CertifiedHead:
         call runs on the thread count the tuner finds faster (hf_csv_kernels.threads)."""
         if self._tuner is None:
             return self._run_rows(H, fn, *args, **kwargs)
-        n = H.shape[0] if H.dim() == 2 else 0
-        with self._tuner((fn.__name__, 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65)):
+        with self._tuner((fn.__name__, rows_bucket(H.shape[0] if H.dim() == 2 else 0))):
             return self._run_rows(H, fn, *args, **kwargs)
 
     def _run_rows(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from hf_csv_kernels.threads import rows_bucket
+
 from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
@@ -289,6 +291,15 @@ class CSVHead(nn.Module):
     def bias(self) -> Optional[torch.Tensor]:
         return self.inner.bias
 
+    def _full(self, sess: CSVSession, hidden: torch.Tensor) -> torch.Tensor:
+        """This head call uses the full head (counted); the processor's check then has nothing to check."""
+        sess.full_calls += 1
+        sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
+        if sess.verify:
+            sess.last = None
+        sess.last_out = None
+        return self.inner(hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         act = _ACTIVE.get()
         sess = None if act is None else act.get(self._model_id)
@@ -299,12 +310,7 @@ class CSVHead(nn.Module):
                 sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
             # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
             # the processor could not find its row, so this call uses the full head)
-            sess.full_calls += 1
-            sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
-            if sess.verify:
-                sess.last = None
-            sess.last_out = None
-            return self.inner(hidden)
+            return self._full(sess, hidden)
         lead, d = hidden.shape[:-1], hidden.shape[-1]
         H = hidden.reshape(-1, d)
         ch = sess.head
@@ -313,28 +319,16 @@ class CSVHead(nn.Module):
         ready = getattr(ch, "ready", None)  # (the vocabulary-parallel head builds synchronously on every rank)
         if ready is not None and not ready(H):  # first call on a large head: the screen is still being packed
             sess.note("the int8 screen is still being packed (first call): full head for these steps")
-            sess.full_calls += 1
-            sess.declined_rows += H.shape[0]
-            if sess.verify:
-                sess.last = None
-            sess.last_out = None
-            return self.inner(hidden)
+            return self._full(sess, hidden)
         guard = getattr(ch, "_speed_guard", None)
         gkey = None
         if guard is not None and guard.enabled():
-            n = H.shape[0]
-            gkey = (sess.mode, 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65, sess.out_dtype,
-                    torch.get_num_threads())
+            gkey = (sess.mode, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
             if not guard.certified(gkey):
                 sess.note("the full head is measured faster than the certified one for this shape (hf_csv.speed)")
                 t0 = time.perf_counter()
-                out = self.inner(hidden)
+                out = self._full(sess, hidden)
                 guard.record(gkey, False, time.perf_counter() - t0)
-                sess.full_calls += 1
-                sess.declined_rows += H.shape[0]
-                if sess.verify:
-                    sess.last = None
-                sess.last_out = None
                 sess.extra["speed_guard"] = guard.summary(gkey)
                 return out
             t0 = time.perf_counter()

@@ -26,9 +26,14 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["ThreadTuner", "caller_threads", "intra_op_threads"]
+__all__ = ["ThreadTuner", "caller_threads", "intra_op_threads", "rows_bucket"]
 
 _CALLER = threading.local()  # the thread count the caller had before a tuned block
+
+
+def rows_bucket(n: int) -> int:
+    """Rows of a head call, bucketed for timing keys: 1 (decode), up to 8, up to 64, more."""
+    return 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65
 
 
 @contextlib.contextmanager
