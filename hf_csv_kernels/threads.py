@@ -39,12 +39,6 @@ def rows_bucket(n: int) -> int:
 @contextlib.contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
     """Run the block on ``n`` intra-op threads (the calling thread's count; restored on exit)."""
-    with _threads(n):
-        yield
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
     prev = torch.get_num_threads()
     if n == prev:
         yield
@@ -64,7 +58,7 @@ def caller_threads() -> Iterator[None]:
     if n is None:
         yield
     else:
-        with _threads(n):
+        with intra_op_threads(n):
             yield
 
 
@@ -129,24 +123,19 @@ class ThreadTuner:
         """Run the block on the chosen thread count; yields it."""
         T = torch.get_num_threads()
         fixed = self._fixed()
-        if fixed is not None or T <= 1:
+        tuned = fixed is None and T > 1
+        if tuned:
+            key = (key, T)  # the caller's count is part of the key: it may change between calls
+            n = self._pick(key, T)
+        else:
             n = fixed if fixed is not None else T
-            prev = getattr(_CALLER, "n", None)
-            _CALLER.n = T
-            try:
-                with _threads(n):
-                    yield n
-            finally:
-                _CALLER.n = prev
-            return
-        key = (key, T)  # the caller's count is part of the key: it may change between calls
-        n = self._pick(key, T)
         prev = getattr(_CALLER, "n", None)
         _CALLER.n = T
         t0 = time.perf_counter()
         try:
-            with _threads(n):
+            with intra_op_threads(n):
                 yield n
         finally:
             _CALLER.n = prev
-        self._record(key, n, T, time.perf_counter() - t0)
+        if tuned:
+            self._record(key, n, T, time.perf_counter() - t0)

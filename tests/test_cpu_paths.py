@@ -11,6 +11,16 @@ from hf_csv_kernels.quantize import rows_from_codes
 from hf_csv_kernels.threads import ThreadTuner, caller_threads
 
 
+def _tiny_llama():
+    """A 1-layer Llama with V = 300 and a 4-token prompt (no GPU, no files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval(), torch.tensor([[1, 5, 9, 2]])
+
+
 def test_tuner_picks_the_faster_count_and_reprobes():
     tu = ThreadTuner(window=4, probe=4, max_probe=8)
     T = 2
@@ -131,8 +141,6 @@ def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt):
 def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
     """A large head is packed in the background; until then the certified head says not ready and
     generate's head wrapper uses the full head (exact); a direct call waits instead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import hf_csv
 
     monkeypatch.setattr(scr, "_PACK_ROWS", 64)
@@ -144,11 +152,7 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
         return real_pack(q, s)
 
     monkeypatch.setattr(scr, "_pack", slow_pack)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    m = LlamaForCausalLM(cfg).eval()
-    ids = torch.tensor([[1, 5, 9, 2]])
+    m, ids = _tiny_llama()
     ref = m.generate(ids, max_new_tokens=6, do_sample=False)
     hf_csv.enable(m)
     try:
@@ -209,8 +213,6 @@ def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
     stay stock's either way and the stats say which ran."""
     import time as _time
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import hf_csv
     import hf_csv.speed as speed
     from hf_csv.certificate import CertifiedHead as CH
@@ -223,11 +225,7 @@ def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
         return real_topk(self, *a, **k)
 
     monkeypatch.setattr(CH, "topk", slow_topk)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    m = LlamaForCausalLM(cfg).eval()
-    ids = torch.tensor([[1, 5, 9, 2]])
+    m, ids = _tiny_llama()
     ref = m.generate(ids, max_new_tokens=20, do_sample=False)
     hf_csv.enable(m)
     try:
