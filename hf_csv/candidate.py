@@ -136,6 +136,9 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
             return gen
         if type(gen) is not AssistedCandidateGenerator:
             sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
+            if sess.mode == "spec":  # its candidates may come without the draft logits the certified verify needs
+                sess.set_full(f"{type(gen).__name__} candidates: the target's certified verify needs an "
+                              "AssistedCandidateGenerator's draft logits")
             return gen
         applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {}, sess)
         if applied:

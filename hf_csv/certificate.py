@@ -89,6 +89,8 @@ class CertResult:
     # law_i + noise_i < cut (law: stock's final value before any lowering processor); -inf on complete rows
     noise: Optional[torch.Tensor] = None
     cut: Optional[torch.Tensor] = None
+    # spec only: [N, V] fp32, an upper bound on stock's fp32 logit of every token (used off S)
+    upper: Optional[torch.Tensor] = None
 
 
 class CertifiedHead:
@@ -296,6 +298,11 @@ class CertifiedHead:
             if sub.tokens is not None:
                 tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
                 tokens[good] = sub.tokens
+        upper = None
+        if kwargs.get("with_upper"):  # full rows hold every token: their upper bounds are never read
+            upper = torch.full((N, self.vocab_size), float("inf"), device=Hf.device)
+            if len(good):
+                upper[good] = sub.upper
         noise = cut = None
         if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
             if tokens is None:
@@ -305,7 +312,8 @@ class CertifiedHead:
             if len(good):
                 noise[good] = sub.noise
                 cut[good] = sub.cut
-        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound, noise=noise, cut=cut)
+        return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound, noise=noise, cut=cut,
+                          upper=upper)
 
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
@@ -396,7 +404,23 @@ class CertifiedHead:
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
         return self._run_nonfinite(H, self._epsilon, eps=eps, temperature=temperature, out_dtype=out_dtype)
 
-    def _epsilon(self, Hf, Hn, eps, temperature, out_dtype=None) -> CertResult:
+    @torch.no_grad()
+    def spec(self, H: torch.Tensor, eps: float = 1e-2, temperature: float = 1.0,
+             out_dtype: Optional[torch.dtype] = None) -> CertResult:
+        """For the verify of exact speculative sampling (docs/speculative.md, "certified target"): logits
+        exact on S (stock's values), -inf outside, and ``upper`` [N, V] bounding stock's fp32 logit of
+        every token. S is chosen as in :meth:`epsilon`, so the mass outside S, bounded from ``upper``, is
+        at most about ``eps`` of the row's: the normalizer is then known to a relative width of ~eps.
+        Nothing here is approximate: the verify decides from these bounds only where they decide, and
+        completes the row with the full head where they do not."""
+        if not (0 < eps < 1):
+            raise ValueError(f"eps must be in (0, 1), got {eps}")
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be positive and finite, got {temperature}")
+        return self._run_nonfinite(H, self._epsilon, eps=eps, temperature=temperature, out_dtype=out_dtype,
+                                   with_upper=True)
+
+    def _epsilon(self, Hf, Hn, eps, temperature, out_dtype=None, with_upper: bool = False) -> CertResult:
         d = out_dtype or torch.float32
         N, T = Hf.shape[0], float(temperature)
         stats = CertStats(vocab_size=self.vocab_size)
@@ -430,7 +454,8 @@ class CertifiedHead:
             stats.fallback += int(bad.sum())
             tv[idx] = 0
         stats.tv_bound_max = float(tv.max()) if N else 0.0
-        return CertResult(logits=logits, stats=stats, mask=S)
+        upper = U + self.stock_error(Hf)[:, None] if with_upper else None  # |stock − real| <= E
+        return CertResult(logits=logits, stats=stats, mask=S, upper=upper)
 
     # ------------------------------------------------------ exact sampling
     @torch.no_grad()

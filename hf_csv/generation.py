@@ -60,6 +60,8 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
         sess.assisted = True
     if sess.assisted:
         sess.extra["_user_assistant_settings"] = user_assistant_settings(kwargs)
+    # the target may leave uncomputed tokens -inf only where hf_csv's exact verify reads its bounds
+    sess.spec_ok = kwargs.get("assistant_model") is not None and config.speculative == "exact"
     # Whisper's thresholds and timestamps, set as kwargs, on a passed config or on the model's own
     # (decide_mode checks the final config again for each segment's generate)
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
@@ -74,7 +76,7 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
         return contextlib.nullcontext()
     from .verify import patch_speculative_sampling
 
-    return patch_speculative_sampling(mode=config.speculative)
+    return patch_speculative_sampling(mode=config.speculative, session=sess)
 
 
 def _assist_patch(model: nn.Module, sess: CSVSession, config: CSVConfig):
@@ -97,8 +99,10 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         out = call(*args, **kwargs)
         return _attach_stats(model, out, sess.summary(), config)
     sess = _make_session(model, config, kwargs)
-    with certified(model, sess), _verify_patch(sess, config), _assist_patch(model, sess, config):
+    with certified(model, sess), _verify_patch(sess, config) as spec, _assist_patch(model, sess, config):
         out = call(*args, **kwargs)
+    if spec is not None and spec.calls:
+        sess.extra["speculative"] = spec.summary()
     return _attach_stats(model, out, sess.summary(), config)
 
 

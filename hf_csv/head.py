@@ -45,6 +45,9 @@ _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount]
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+# spec mode: S holds all but about this fraction of a row's mass (upper bound), so the verify's interval
+# for the normalizer is ~1 % wide and its accept/reject decisions rarely need the full row (speed only)
+SPEC_EPS = 1e-2
 
 
 @dataclass
@@ -65,6 +68,7 @@ class StepStash:
     bound: Optional[torch.Tensor] = None
     noise: Optional[torch.Tensor] = None  # [B, P, V] sample mode, draw after the processors: Gumbel noise
     cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
+    upper: Optional[torch.Tensor] = None  # [B, P, V] spec mode: bound on stock's fp32 logit of every token
 
     def position(self, input_len: int) -> int:
         """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
@@ -89,7 +93,7 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
-    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon (set by policy.decide_mode)
+    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon | spec (set by policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
@@ -113,6 +117,8 @@ class CSVSession:
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
+    spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use mode "spec"
+    spec_pending: bool = False  # spec mode: a head call's bounds wait for the verify (hf_csv.verify)
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
@@ -345,6 +351,14 @@ class CSVHead(nn.Module):
             eps = sess.config.beam_epsilon if mode == "beam" else sess.config.epsilon
             res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
             out = res.logits
+        elif mode == "spec":
+            if sess.spec_pending:
+                # the bounds of the previous call were never read by hf_csv's verify: something other than
+                # it consumed -inf-padded logits; refuse rather than let a restricted row be sampled from
+                raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
+                               "please report this (generate without csv_config meanwhile)")
+            res = ch.spec(H, SPEC_EPS, temperature=sess.temperature, out_dtype=sess.out_dtype)
+            out = res.logits
         elif mode == "sample":
             post = None if sess.post is None or sess.post.identity else sess.post.apply
             res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps)
@@ -362,9 +376,11 @@ class CSVHead(nn.Module):
             bound = None if res.bound is None else res.bound.view(B, P)
             noise = None if res.noise is None else res.noise.view(B, P, V)
             cut = None if res.cut is None else res.cut.view(B, P)
+            upper = None if res.upper is None else res.upper.view(B, P, V)
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
                                   mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
-                                  noise=noise, cut=cut)
+                                  noise=noise, cut=cut, upper=upper)
+            sess.spec_pending = mode == "spec"
         if gkey is not None:
             guard.record(gkey, True, time.perf_counter() - t0)
             summ = guard.summary(gkey)

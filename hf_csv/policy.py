@@ -181,8 +181,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     if session.draft:
         return _decide_draft(session, gc, kinds, do_sample, top_k)
     if session.assisted and do_sample:
-        session.set_full("assisted sampling (speculative sampling) needs the full target distribution")
-        return session
+        return _assisted_sampling_plan(session, processors, kinds, num_beams, top_k)
     if not do_sample and num_beams == 1:
         if norm:
             # log-softmax renormalization shifts every score by a normalizer only the full head knows
@@ -290,6 +289,44 @@ def _min_p_plan(session: CSVSession, processors: list, topks: list) -> Optional[
     session.delta_rel = 0.1 if any(classify_processor(p) == "lower" for p in processors[:i]) else 0.0
     session.check_before = mp
     return None
+
+
+def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, num_beams: int,
+                            top_k: Optional[int]) -> CSVSession:
+    """The target's head in assisted sampling (speculative sampling; docs/speculative.md).
+
+    * One top-k warper with only order-preserving or lowering processors before it: certified top-K,
+      checked right after the warper at each verified position, so every later warper and the verify
+      see exactly stock's processed vector (the default and chat-model sampling paths).
+    * Temperature only, hf_csv's exact verify, an assistant model: mode ``"spec"``; the head returns exact
+      logits on S and bounds for the rest, and the verify decides from the bounds where they decide and
+      completes rows with the full head where they do not.
+    * Anything else: the full head, with the reason.
+    """
+    cfg = session.config
+    post = session.post
+    if num_beams > 1:
+        session.set_full("assisted beam sampling is not certified")
+        return session
+    topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
+    if len(topks) == 1 and cfg.mode != "sample" and top_k < session.head.vocab_size:
+        i = topks[0]
+        if {classify_processor(p) for p in processors[:i]} <= {"order", "lower"}:
+            session.mode, session.k, session.verify = "topk", top_k, True
+            session.check_after = processors[i]
+            return session
+    names = {type(p).__name__ for p in processors}
+    if not session.spec_ok:
+        session.set_full("assisted sampling without a top-k warper needs the full target distribution unless "
+                         "hf_csv's exact verify checks an assistant model's drafts (CSVConfig(speculative='exact'))")
+    elif not names <= {"TemperatureLogitsWarper"}:
+        session.set_full(f"assisted sampling with processors {sorted(names - {'TemperatureLogitsWarper'})} and no "
+                         "single top-k warper before them: the certified verify handles temperature only")
+    elif not post.identity:
+        session.set_full(f"assisted sampling after {post.describe()}")
+    else:
+        session.mode, session.verify = "spec", True
+    return session
 
 
 def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int]) -> CSVSession:

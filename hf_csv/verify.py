@@ -33,9 +33,10 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from hf_csv_kernels.verify import LossyVerifyWarning, VerifyResult, exact_verify, sigmoid_verify
+from hf_csv_kernels.verify import LossyVerifyWarning, VerifyResult, bounded_verify, exact_verify, sigmoid_verify
 
 from ._compat import speculative_gen_utils
+from .errors import CSVError
 
 __all__ = [
     "patch_speculative_sampling",
@@ -120,6 +121,69 @@ def speculative_sampling_sigmoid(
                   assistant_ensemble_weight, generator=generator, warn=False)
 
 
+def speculative_sampling_certified(
+    session: Any,
+    candidate_input_ids: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    counts: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact verify on a target whose head ran in mode ``"spec"`` (docs/speculative.md, "certified
+    target"): ``new_logits`` are exact on the head's set S and ``-inf`` elsewhere; the head's stash gives an
+    upper bound on every other token's logit, and rows are completed with the full head where the bounds
+    do not decide. The law is that of :func:`speculative_sampling_exact` on the full rows.
+
+    Limits: the processors between head and verify must be temperature warpers only (hf_csv.policy sets
+    mode "spec" only then) and the post-head map the identity; batch size 1.
+    """
+    st = session.last
+    session.spec_pending = False
+    L = int(candidate_length)
+    if st is None or st.upper is None or new_logits.shape[0] != 1 or st.logits.shape[0] != 1 \
+            or st.logits.shape[1] < L + 1 or new_logits.shape[1] != L + 1:
+        # the head call was the full head (or shapes we cannot map): the rows are complete
+        return speculative_sampling_exact(candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                                          None, generator=generator)
+    P = st.logits.shape[1]
+    rows = slice(P - (L + 1), P)  # without logits_to_keep the head saw the whole input
+    mask = st.mask[0, rows]
+    z = new_logits[0]
+    if not torch.equal(torch.isfinite(z), mask & torch.isfinite(st.logits[0, rows])):
+        raise CSVError("hf_csv: the target's processed logits are not -inf exactly off the certified set; a "
+                       "processor changed uncomputed scores. Please report this.")
+    head, dtype = session.head, session.out_dtype
+    procs = [p for p in (session.processors or ()) if type(p).__name__ == "TemperatureLogitsWarper"]
+    ids_stub = candidate_input_ids  # temperature warpers ignore input ids
+
+    def process(raw: torch.Tensor) -> torch.Tensor:
+        # stock: the head's values in the model dtype, to fp32, then the warpers (same ops, same order)
+        x = raw.to(dtype).float()[None]
+        for p in procs:
+            x = p(ids_stub, x)
+        return x[0]
+
+    upper = process(st.upper[0, rows])  # rounding and division by T > 0 are monotone: still upper bounds
+    H = st.H.reshape(P, -1)
+    Hf, Hn = head._check(H)
+    full: list = []
+
+    def complete(j: int, tokens: torch.Tensor | None) -> torch.Tensor:
+        r = P - (L + 1) + j
+        if tokens is None:
+            if not full:
+                full.append(head._stock_rows(Hf, Hn, dtype))  # stock's GEMM over all rows, as the head's rerun
+            return process(full[0][r])
+        return process(head._values(torch.full_like(tokens, r), tokens, Hf, Hn, dtype))
+
+    ids = candidate_input_ids[0, candidate_input_ids.shape[1] - L:]
+    res = bounded_verify(ids, candidate_logits[0], z, mask, upper, complete, generator=generator, counts=counts)
+    valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
+    return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
+
+
 _IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "exact": speculative_sampling_exact,
     "sigmoid": speculative_sampling_sigmoid,
@@ -128,13 +192,32 @@ _IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
 
 @dataclass
 class SpeculativePatch:
-    """Handle of one active scope: its mode and how often the patched verify ran in it."""
+    """Handle of one active scope: its mode and how often the patched verify ran in it.
+
+    ``session``: the target model's certified session (:class:`hf_csv.head.CSVSession`) when the scope
+    belongs to a certified ``generate`` call; in its mode ``"spec"`` the verify reads the head's bounds
+    (:func:`speculative_sampling_certified`). ``rows`` counts the target rows the verify looked at,
+    ``by_bounds`` the decisions the bounds settled and ``completed`` the rows completed with the full head.
+    """
 
     mode: Mode
     generator: torch.Generator | None = None
+    session: Any = None
     calls: int = 0
     accepted: int = 0
     drafted: int = 0
+    certified_calls: int = 0
+    counts: dict = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.counts = {"rows": 0, "by_bounds": 0, "completed": 0}
+
+    def summary(self) -> dict:
+        """What ``csv_stats["speculative"]`` reports."""
+        return {"verify_calls": self.calls, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "certified_verify_calls": self.certified_calls,
+                "target_rows": self.counts["rows"], "target_rows_by_bounds": self.counts["by_bounds"],
+                "target_rows_completed": self.counts["completed"]}
 
     @property
     def acceptance_rate(self) -> float:
@@ -177,8 +260,14 @@ def _dispatch(
     extra_name = _installed["extra"]
     extra = args[0] if args else kwargs.get(extra_name)
     weight = extra if extra_name == "assistant_ensemble_weight" else None
-    valid, n = _IMPLS[h.mode](candidate_input_ids, candidate_logits, candidate_length, new_logits,
-                              weight, generator=h.generator)
+    sess = h.session
+    if h.mode == "exact" and sess is not None and sess.mode == "spec" and weight is None:
+        valid, n = speculative_sampling_certified(sess, candidate_input_ids, candidate_logits, candidate_length,
+                                                  new_logits, generator=h.generator, counts=h.counts)
+        h.certified_calls += 1
+    else:
+        valid, n = _IMPLS[h.mode](candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                                  weight, generator=h.generator)
     L = int(candidate_length)
     accepted = valid.shape[1] - 1
     if extra_name == "is_done_candidate" and extra and valid.shape[1] == L + 1:
@@ -201,10 +290,11 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
     Yields a :class:`SpeculativePatch` with call and acceptance counters.
     """
 
-    def __init__(self, mode: Mode = "exact", *, generator: torch.Generator | None = None) -> None:
+    def __init__(self, mode: Mode = "exact", *, generator: torch.Generator | None = None,
+                 session: Any = None) -> None:
         if mode not in _IMPLS:
             raise ValueError(f"mode must be one of {sorted(_IMPLS)}, got {mode!r}")
-        self.handle = SpeculativePatch(mode=mode, generator=generator)
+        self.handle = SpeculativePatch(mode=mode, generator=generator, session=session)
 
     def __enter__(self) -> SpeculativePatch:
         gen_utils, sup = speculative_gen_utils()

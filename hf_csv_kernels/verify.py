@@ -37,6 +37,7 @@ __all__ = [
     "VerifyResult",
     "DraftProbabilityError",
     "exact_verify",
+    "bounded_verify",
     "sigmoid_verify",
     "sigmoid_probs",
     "sigmoid_first_token_distribution",
@@ -269,6 +270,214 @@ def exact_verify(
     out[:n] = ids[:n]
     out[n] = tok
     return VerifyResult(n, out)
+
+
+# log-space slack of the bounded decisions: far above the float64 rounding of the interval sums, far below
+# any difference that changes a probability at fp32 resolution
+_BOUND_SLACK = 1e-9
+
+
+def _gumbel_noise(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """i.i.d. standard Gumbel variates, float64: -log(E), E ~ Exp(1) clamped away from 0."""
+    return _exp1(torch.empty(n, device=device), generator).double().log_().neg_()
+
+
+def _lse64(x: torch.Tensor, bound: bool = False) -> float:
+    """logsumexp of a 1-D tensor in float64 (-inf when empty or all -inf; +inf for a ``bound`` with +inf)."""
+    if x.numel() == 0:
+        return -math.inf
+    x = x.double()
+    m = float(x.amax())
+    if m == -math.inf:
+        return -math.inf
+    if bound and m == math.inf:
+        return math.inf  # a useless upper bound: it decides nothing, the row gets completed
+    if not math.isfinite(m):
+        raise DraftProbabilityError("a row of target logits cannot be normalized (+inf or NaN)")
+    return m + math.log(float(torch.exp(x - m).sum()))
+
+
+class _BoundedRow:
+    """One target row known exactly on ``known`` (plus tokens fetched later) and bounded above elsewhere.
+
+    ``lo <= log Z <= hi`` always holds: the exact entries give the lower end; the upper end adds the
+    bounds of every entry that was not known at the start (fetched entries are below their bounds).
+    After :meth:`complete` the row is exact everywhere and lo == hi.
+    """
+
+    def __init__(self, j: int, z: torch.Tensor, known: torch.Tensor, upper: torch.Tensor, complete) -> None:
+        self.j, self._complete = j, complete
+        self.z = z.float().masked_fill(~known, float("-inf"))
+        self.known = known.clone()
+        self.upper = upper.float().masked_fill(known, float("-inf"))
+        a = _lse64(self.z[known])
+        self.lo = a
+        self.hi = float(torch.logaddexp(torch.tensor(a, dtype=torch.float64),
+                                        torch.tensor(_lse64(self.upper, bound=True), dtype=torch.float64)))
+        self.full = bool(known.all())
+
+    def fetch(self, tokens: torch.Tensor) -> None:
+        """Make ``tokens`` exact (computed by the caller's ``complete(j, tokens)``)."""
+        tokens = tokens[~self.known[tokens]]
+        if tokens.numel() == 0:
+            return
+        vals = self._complete(self.j, tokens).float()
+        self.z[tokens] = vals
+        self.known[tokens] = True
+        self.upper[tokens] = float("-inf")
+        self.lo = float(torch.logaddexp(torch.tensor(self.lo, dtype=torch.float64),
+                                        torch.tensor(_lse64(vals), dtype=torch.float64)))
+        self.full = bool(self.known.all())
+
+    def complete(self) -> None:
+        """The whole row from the caller's full head (its values replace every earlier one)."""
+        if self.full and self.lo == self.hi:
+            return
+        self.z = self._complete(self.j, None).float()
+        self.known[:] = True
+        self.upper.fill_(float("-inf"))
+        self.lo = self.hi = _lse64(self.z)
+        if self.lo == -math.inf:
+            raise DraftProbabilityError("a row of target logits cannot be normalized (all -inf)")
+        self.full = True
+
+
+@torch.no_grad()
+def bounded_verify(
+    draft_ids: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    known: torch.Tensor,
+    upper: torch.Tensor,
+    complete,
+    *,
+    generator: torch.Generator | None = None,
+    counts: dict | None = None,
+) -> VerifyResult:
+    """Exact speculative-sampling verify when the target rows are known exactly only on a subset.
+
+    Args:
+        draft_ids, draft_logits: as in :func:`exact_verify` (the draft's law q must be fully given).
+        target_logits: [L+1, V] processed target scores, exact where ``known``.
+        known: [L+1, V] bool.
+        upper: [L+1, V] upper bounds on the processed target scores where not ``known``.
+        complete: ``complete(j, tokens)`` returns the exact processed scores of row j at ``tokens``
+            (a long tensor), or the whole row when ``tokens`` is None.
+        counts: optional dict accumulating ``rows`` (rows looked at), ``by_bounds`` (decided from the
+            bounds alone) and ``completed`` (rows completed with ``complete(j, None)``).
+
+    Guarantee (docs/speculative.md, "certified target"): the emitted tokens have exactly the law of
+    :func:`exact_verify` on the complete rows, i.e. the target's (with ``ensemble_weight`` unsupported). Each
+    decision (accept, residual draw, bonus draw) is taken from the bounds only when the bounds prove
+    what the complete row would decide with the same random numbers; otherwise the row is completed.
+    """
+    L = _check_shapes(draft_ids, draft_logits, target_logits)
+    if known.shape != target_logits.shape or upper.shape != target_logits.shape:
+        raise ValueError("known and upper must have the target logits' shape [L+1, V]")
+    dev = target_logits.device
+    ids = draft_ids.to(device=dev, dtype=torch.long)
+    c = counts if counts is not None else {}
+    for key in ("rows", "by_bounds", "completed"):
+        c.setdefault(key, 0)
+    u = torch.rand(L, generator=generator, device=dev, dtype=torch.float32)
+    V = target_logits.shape[1]
+    n = L
+    row = None
+    for j in range(L):
+        zq = draft_logits[j].float()
+        lq = _lse64(zq)
+        zqx = float(zq[ids[j]])
+        if not math.isfinite(zqx) or not math.isfinite(lq):
+            raise DraftProbabilityError(
+                "a drafted token has draft probability 0 (logit -inf or NaN), or a draft row cannot be "
+                "normalized: the draft logits are not the distribution the token was sampled from")
+        row = _BoundedRow(j, target_logits[j], known[j], upper[j], complete)
+        row.fetch(ids[j:j + 1])
+        c["rows"] += 1
+        log_u = math.log(float(u[j])) if float(u[j]) > 0 else -math.inf
+        zpx = float(row.z[ids[j]])
+        base = zpx - (zqx - lq)
+        if log_u < base - row.hi - _BOUND_SLACK:
+            c["by_bounds"] += 1
+            continue  # accepted for every log Z in [lo, hi]
+        if not log_u < base - row.lo + _BOUND_SLACK:
+            c["by_bounds"] += 1
+            n = j  # rejected for every log Z in [lo, hi]
+            break
+        row.complete()
+        c["completed"] += 1
+        if not _accept(float(u[j]), (float(row.z[ids[j]]) - row.lo) - (zqx - lq), None):
+            n = j
+            break
+    if n < L:
+        tok = _bounded_residual(row, draft_logits[n].float(), V, generator, c)
+    else:
+        row = _BoundedRow(L, target_logits[L], known[L], upper[L], complete)
+        c["rows"] += 1
+        tok = _bounded_bonus(row, V, generator, c)
+    out = torch.empty(n + 1, dtype=torch.long, device=dev)
+    out[:n] = ids[:n]
+    out[n] = tok
+    return VerifyResult(n, out)
+
+
+def _bounded_residual(row: _BoundedRow, zq: torch.Tensor, V: int, generator, c: dict) -> torch.Tensor:
+    """Winner of the Gumbel race over log max(0, p - q) + G (the residual's law, Lemma 1), from bounds
+    where they prove the winner for every log Z in [lo, hi], else from the completed row (same noise)."""
+    lq = _lse64(zq)
+    support = torch.isfinite(zq).nonzero(as_tuple=True)[0]
+    if support.numel() > V // 8:
+        row.complete()
+        c["completed"] += 1
+    else:
+        row.fetch(support)
+    q = torch.exp(zq.double() - lq)  # 0 off the draft's support
+    G = _gumbel_noise(V, zq.device, generator)
+    if not row.full or row.lo != row.hi:
+        z = row.z.double()
+        w_lo = (torch.exp(z - row.hi) - q).clamp_min_(0.0)  # the smallest residual weights (largest Z)
+        w_hi = (torch.exp(z - row.lo) - q).clamp_min_(0.0)
+        s_lo = torch.log(w_lo) + G
+        s_hi = torch.log(w_hi) + G
+        cand = int(s_lo.argmax())
+        best = float(s_lo[cand])
+        s_hi[cand] = -math.inf
+        rival = max(float(s_hi.max()), float((row.upper.double() - row.lo + G).max()))
+        if math.isfinite(best) and best > rival + _BOUND_SLACK:
+            c["by_bounds"] += 1
+            return torch.tensor(cand, device=zq.device)
+        row.complete()
+        c["completed"] += 1
+    z = row.z.double()
+    w = (torch.exp(z - row.lo) - q).clamp_min_(0.0)
+    s = torch.log(w) + G
+    tok = int(s.argmax())
+    if not math.isfinite(float(s[tok])):
+        # the residual vanished numerically (p == q to float precision): the law is p (see exact_verify)
+        return _sample_from_logits(row.z, generator)
+    return torch.tensor(tok, device=zq.device)
+
+
+def _bounded_bonus(row: _BoundedRow, V: int, generator, c: dict) -> torch.Tensor:
+    """Gumbel-max draw from p = softmax(row): from the exact entries when their best perturbed score beats
+    every bounded one's perturbed upper bound (strictly), else from the completed row (same noise)."""
+    G = _gumbel_noise(V, row.z.device, generator)
+    s = row.z.double() + G
+    cand = int(s.argmax())
+    best = float(s[cand])
+    if not row.full:
+        rival = float((row.upper.double() + G).max())
+        if math.isfinite(best) and best > rival + _BOUND_SLACK:
+            c["by_bounds"] += 1
+            return torch.tensor(cand, device=row.z.device)
+        row.complete()
+        c["completed"] += 1
+        s = row.z.double() + G
+        cand = int(s.argmax())
+        best = float(s[cand])
+    if not math.isfinite(best):
+        raise DraftProbabilityError("a row of target logits cannot be normalized (all -inf, +inf or NaN)")
+    return torch.tensor(cand, device=row.z.device)
 
 
 def _accept(u: float, log_ratio: float, ensemble_weight: float | None) -> bool:

@@ -1,0 +1,239 @@
+"""Assisted sampling with a certified target head (docs/speculative.md, "certified target").
+
+* the bounded verify kernel has exactly the law of the exact verify on complete rows (chi-square, α = 1e-3,
+  fixed seeds), whether the bounds decide or rows are completed;
+* end to end, ``generate(assistant_model=..., do_sample=True, csv_config=...)`` with the target's head in mode
+  "spec" (temperature only) or "topk" (a top-k warper first: Qwen2.5's chat defaults) has the law of stock
+  assisted sampling over the first two tokens (chi-square, α = 1e-3, fixed seeds);
+* paths that cannot be certified say so and use the full head.
+"""
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats as sps
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_csv
+from hf_csv import CSVConfig
+from hf_csv_kernels.verify import bounded_verify, exact_first_token_distribution, exact_verify
+
+ALPHA = 1e-3
+
+
+def _two_sample_p(a: Counter, b: Counter) -> float:
+    """Chi-square p-value of two samples having one law: categories seen >= 10 times in total, the rest pooled."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    na, nb = sum(a.values()), sum(b.values())
+    cols = [(a[k], b[k]) for k in keys] + [(na - sum(a[k] for k in keys), nb - sum(b[k] for k in keys))]
+    cols = [c for c in cols if sum(c) > 0]
+    if len(cols) < 2:
+        return 1.0  # a single category: nothing can differ
+    return float(sps.chi2_contingency([[c[0] for c in cols], [c[1] for c in cols]]).pvalue)
+
+
+def _rows(V: int, L: int, g: torch.Generator, sharp: float = 3.0):
+    """Peaked target rows, a sub-vocabulary draft (top-16 of a noisy copy, -inf elsewhere) and its tokens."""
+    zp = -1.3 * (torch.randperm(V, generator=g).float() + 1).log()[None].repeat(L + 1, 1) * sharp
+    zp = zp + 0.3 * torch.randn(L + 1, V, generator=g)
+    zq = zp[:L] + 2.0 * torch.randn(L, V, generator=g)  # a poor draft: many rejections, residual draws
+    kth = zq.topk(16, dim=1).values[:, -1:]
+    zq = zq.masked_fill(zq < kth, float("-inf"))
+    ids = torch.multinomial(torch.softmax(zq, -1), 1, generator=g).squeeze(1)
+    return zp, zq, ids
+
+
+def _bounded_case(zp: torch.Tensor, width: float, slack: float, g: torch.Generator):
+    """known = the top entries of each row (about 1 - width of the mass); upper = value + slack elsewhere."""
+    known = torch.zeros_like(zp, dtype=torch.bool)
+    for j in range(zp.shape[0]):
+        order = zp[j].argsort(descending=True)
+        cum = torch.softmax(zp[j].double(), 0)[order].cumsum(0)
+        known[j, order[: int((cum < 1 - width).sum()) + 1]] = True
+    upper = (zp + slack * torch.rand(zp.shape, generator=g)).masked_fill(known, float("nan"))
+    return known, upper
+
+
+@pytest.mark.parametrize("width,slack,sharp", [(1e-3, 0.05, 3.0), (0.2, 1.5, 3.0), (0.5, 3.0, 1.0), (0.5, 0.05, 1.0)])
+def test_bounded_verify_law_equals_exact_verify(width, slack, sharp):
+    """Same inputs, many draws: the joint law of (first emitted token, second or none) of the bounded verify
+    equals the exact verify's; the first token's law equals p_0 (the theorem). Tight bounds decide most rows;
+    loose ones force completions, which must not change the law either."""
+    g = torch.Generator().manual_seed(7)
+    V, L = 300, 3
+    zp, zq, _ = _rows(V, L, g, sharp)
+    known, upper = _bounded_case(zp, width, slack, g)
+    z_in = zp.masked_fill(~known, float("-inf"))
+
+    def complete(j, tokens):
+        return zp[j] if tokens is None else zp[j, tokens]
+
+    counts: dict = {}
+    n = 4000
+    gb, ge = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    obs_b, obs_e = Counter(), Counter()
+    qs = torch.softmax(zq, -1)
+    for _ in range(n):
+        # the drafts are drawn afresh from q each time, so the first token's law is p_0 (the theorem)
+        x = torch.multinomial(qs, 1, generator=g).squeeze(1)
+        rb = bounded_verify(x, zq, z_in, known, upper, complete, generator=gb, counts=counts)
+        re = exact_verify(x, zq, zp, generator=ge)
+        obs_b[(int(rb.tokens[0]), int(rb.tokens[1]) if rb.tokens.numel() > 1 else -1)] += 1
+        obs_e[(int(re.tokens[0]), int(re.tokens[1]) if re.tokens.numel() > 1 else -1)] += 1
+    assert counts["rows"] > 0
+    if slack < 0.1:  # tight bounds decide most rows (loose ones make the law test below exercise completion)
+        assert counts["by_bounds"] > 0.8 * counts["rows"], counts
+    else:
+        assert counts["completed"] > 0, counts
+    assert _two_sample_p(obs_b, obs_e) > ALPHA
+    # first token against the analytic law p_0
+    p0 = exact_first_token_distribution(zq[0], zp[0])
+    first = Counter()
+    for (a, _), c in obs_b.items():
+        first[a] += c
+    top = [i for i in p0.argsort(descending=True).tolist() if p0[i] * n >= 5]
+    o = [first[i] for i in top] + [n - sum(first[i] for i in top)]
+    e = [float(p0[i]) * n for i in top] + [n * (1 - float(p0[top].sum()))]
+    assert sps.chisquare(o, e).pvalue > ALPHA
+
+
+def test_bounded_verify_bonus_law():
+    """L = 0 (only the bonus draw): the law is softmax of the row, with half its mass outside the exact set and
+    tight bounds there, so the bounds decide most draws (chi-square goodness of fit, α = 1e-3)."""
+    g = torch.Generator().manual_seed(5)
+    V = 300
+    zp, _, _ = _rows(V, 0, g, sharp=1.0)
+    known, upper = _bounded_case(zp, 0.5, 0.05, g)
+    counts: dict = {}
+    gb = torch.Generator().manual_seed(9)
+    n = 3000
+    obs = Counter()
+    for _ in range(n):
+        r = bounded_verify(torch.empty(0, dtype=torch.long), torch.empty(0, V), zp.masked_fill(~known, float("-inf")),
+                           known, upper, lambda j, t: zp[j] if t is None else zp[j, t], generator=gb, counts=counts)
+        obs[int(r.tokens[0])] += 1
+    assert counts["by_bounds"] > 0.5 * n, counts
+    p = torch.softmax(zp[0].double(), 0)
+    top = [i for i in p.argsort(descending=True).tolist() if p[i] * n >= 5]
+    o = [obs[i] for i in top] + [n - sum(obs[i] for i in top)]
+    e = [float(p[i]) * n for i in top] + [n * (1 - float(p[top].sum()))]
+    assert sps.chisquare(o, e).pvalue > ALPHA
+
+
+def test_bounded_verify_needs_exact_rows_where_bounds_are_useless():
+    """Upper bounds of +inf decide nothing: every decision completes its row, and the result is still valid."""
+    g = torch.Generator().manual_seed(3)
+    zp, zq, ids = _rows(200, 2, g)
+    known = torch.zeros_like(zp, dtype=torch.bool)
+    known[:, :5] = True
+    upper = torch.full_like(zp, float("inf"))
+    calls = []
+
+    def complete(j, tokens):
+        calls.append((j, None if tokens is None else tokens.numel()))
+        return zp[j] if tokens is None else zp[j, tokens]
+
+    counts: dict = {}
+    res = bounded_verify(ids, zq, zp.masked_fill(~known, float("-inf")), known, upper, complete,
+                         generator=torch.Generator().manual_seed(0), counts=counts)
+    assert counts["completed"] >= 1 and any(t is None for _, t in calls)
+    assert 1 <= res.tokens.numel() <= 3
+
+
+def _llama(seed: int, layers: int = 2, V: int = 256, scale: float = 30.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=V - 1)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)  # peaked rows, as trained models have: the certificates prune
+    return m
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = _llama(0)
+    draft = copy.deepcopy(target)  # a close draft: high acceptance, so the second token is often accepted
+    with torch.no_grad():
+        for p in draft.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return hf_csv.enable(target), draft
+
+
+SETTINGS = {
+    "plain_T1": dict(top_k=0, temperature=1.0),
+    "T0.7": dict(top_k=0, temperature=0.7),
+    "qwen_chat": dict(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_assisted_sampling_law_matches_stock(pair, name):
+    """First two tokens of assisted sampling, stock vs certified target (+ sub-vocabulary draft and exact
+    verify): two-sample chi-square on the joint law, α = 1e-3, fixed seeds; the target's head is certified."""
+    target, draft = pair
+    kw = dict(SETTINGS[name], do_sample=True, max_new_tokens=2, num_assistant_tokens=3,
+              num_assistant_tokens_schedule="constant")
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    n = 700
+    obs_s, obs_c = Counter(), Counter()
+    stats = None
+    torch.manual_seed(11)
+    for _ in range(n):
+        out = target.generate(ids, assistant_model=draft, **kw)
+        obs_s[tuple(out[0, 5:7].tolist())] += 1
+    torch.manual_seed(12)
+    for i in range(n):
+        out = target.generate(ids, assistant_model=draft, csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True,
+                              **kw)
+        obs_c[tuple(out.sequences[0, 5:7].tolist())] += 1
+        if i == 0:
+            stats = out.csv_stats
+    assert stats["mode"] == ("topk" if name == "qwen_chat" else "spec"), stats["reasons"]
+    assert stats["certified"] > 0
+    if stats["mode"] == "spec":
+        sp = stats["speculative"]
+        assert sp["certified_verify_calls"] >= 1 and sp["target_rows"] >= 1
+    assert _two_sample_p(obs_s, obs_c) > ALPHA
+
+
+def test_spec_mode_counts_rows_and_certifies(pair):
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    out = target.generate(ids, assistant_model=draft, do_sample=True, top_k=0, max_new_tokens=24,
+                          csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True)
+    st = out.csv_stats
+    assert st["mode"] == "spec" and st["certified"] > 0
+    sp = st["speculative"]
+    # every row looked at was decided by the bounds or completed (a row can be both: accepted by its bounds
+    # and later... no: each counted row is decided once, the residual or bonus draw adds one more decision)
+    assert sp["target_rows"] >= 1 and sp["target_rows_by_bounds"] + sp["target_rows_completed"] >= sp["target_rows"]
+    assert sp["target_rows_by_bounds"] > 0
+    assert 0 <= sp["acceptance_rate"] <= 1
+
+
+@pytest.mark.parametrize("extra,why", [
+    (dict(top_p=0.9, top_k=0), "TopPLogitsWarper"),
+    (dict(top_k=0, repetition_penalty=1.2), "RepetitionPenaltyLogitsProcessor"),
+])
+def test_uncertified_assisted_sampling_says_why(pair, extra, why):
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    out = target.generate(ids, assistant_model=draft, do_sample=True, max_new_tokens=6, csv_config=CSVConfig(),
+                          return_dict_in_generate=True, **extra)
+    assert out.csv_stats["mode"] == "full"
+    assert any(why in r for r in out.csv_stats["reasons"]), out.csv_stats["reasons"]
+
+
+def test_prompt_lookup_sampling_never_uses_spec(pair):
+    """Prompt lookup has no draft logits: stock samples from the target's row itself, so it must be complete
+    (or certified top-k), never the "spec" -inf-padded row."""
+    target, _ = pair
+    ids = torch.tensor([[5, 17, 33, 5, 17, 33, 5, 17]])
+    out = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=True, top_k=0, max_new_tokens=6,
+                          csv_config=CSVConfig(), return_dict_in_generate=True)
+    assert out.csv_stats["mode"] == "full"
+    out = target.generate(ids, assistant_model=_llama(1), do_sample=True, top_k=0, max_new_tokens=6,
+                          csv_config=CSVConfig(speculative="stock"), return_dict_in_generate=True)
+    assert out.csv_stats["mode"] == "full"
