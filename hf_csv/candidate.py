@@ -37,7 +37,8 @@ from .errors import CSVError
 from .head import CSVSession, active_session, find_head
 from .scope import certified, instance_override, new_session
 
-__all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings"]
+__all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings",
+           "truncated_assistant", "quantized_assistant"]
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -201,3 +202,47 @@ def truncated_assistant(model: nn.Module, num_layers: int) -> nn.Module:
     draft.tie_weights() if hasattr(draft, "tie_weights") else None
     draft.generation_config = copy.deepcopy(model.generation_config)
     return draft.to(next(model.parameters()).dtype).eval()
+
+
+def quantized_assistant(model: nn.Module) -> nn.Module:
+    """A same-vocabulary assistant that CPU users can build from the model itself: a copy whose Linear layers,
+    except the output head, are int8 dynamically quantized (``torch.ao.quantization.quantize_dynamic``: int8
+    weights, activations quantized per call, fbgemm kernels on x86).
+
+    * decoder-only models: a copy of the whole model;
+    * Whisper: a decoder-only ``WhisperForCausalLM`` (as :func:`truncated_assistant` with every layer) that
+      reads the target's encoder outputs, so the encoder runs once, in full precision.
+
+    The head stays a float ``nn.Linear`` (tied to the embedding where the model ties them) so hf_csv's draft
+    head certifies it. The assistant proposes, the target decides: assisted greedy decoding stays the
+    target's greedy output and assisted sampling the target's law, whatever the quantization does to the
+    assistant's own predictions (it only changes the acceptance rate).
+
+    Limits: float32 models only (dynamic quantization quantizes float32 Linear layers); CPU. Returns the
+    assistant in eval mode; the model is not modified.
+    """
+    import copy
+    import warnings
+
+    import torch
+    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("quantized_assistant needs a float32 model (load it with dtype=torch.float32); "
+                         f"got {next(model.parameters()).dtype}")
+    if getattr(model.config, "model_type", None) == "whisper":
+        draft = truncated_assistant(model, model.config.decoder_layers)
+    else:
+        draft = copy.deepcopy(model)
+        draft.generation_config = copy.deepcopy(model.generation_config)
+    _, head = find_head(draft)
+    spec = {name: default_dynamic_qconfig for name, mod in draft.named_modules()
+            if isinstance(mod, nn.Linear) and mod is not head}
+    if not spec:
+        raise CSVError(f"{type(model).__name__}: no Linear layers besides the head to quantize")
+    with warnings.catch_warnings():
+        # torch 2.10+ warns that its quantized tensor type is deprecated; dynamic quantization still works
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        quantize_dynamic(draft, qconfig_spec=spec, dtype=torch.qint8, inplace=True)
+    return draft.eval()

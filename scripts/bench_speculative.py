@@ -274,6 +274,183 @@ def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+# the settings of issue 12: Qwen2.5's shipped chat defaults, and plain sampling at T = 1 (no top-k, no top-p)
+SAMPLING_SETTINGS = {
+    "qwen_defaults": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+    "plain_T1": dict(temperature=1.0, top_k=0, top_p=1.0),
+}
+
+
+class _StockCounter:
+    """Counts drafted / accepted tokens of stock's ``_speculative_sampling`` (for stock's acceptance rate)."""
+
+    def __init__(self) -> None:
+        import transformers.generation.utils as gu
+
+        self.gu, self.orig = gu, gu._speculative_sampling
+        self.drafted = self.accepted = 0
+
+    def __enter__(self):
+        def counted(cand, cand_logits, L, new_logits, *a, **k):
+            valid, n = self.orig(cand, cand_logits, L, new_logits, *a, **k)
+            self.drafted += int(L)
+            self.accepted += valid.shape[1] - 1
+            return valid, n
+
+        self.gu._speculative_sampling = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.gu._speculative_sampling = self.orig
+
+
+def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
+    """Capture the first certified verify call of a csv run and compare, on exactly those inputs, the law of
+    hf_csv's verify (bounded in mode "spec", exact on the certified top-k vector in mode "topk") with stock's
+    ``_speculative_sampling`` on the full head's processed rows: ``n`` draws each, the joint law of (first
+    emitted token, second or none), two-sample chi-square. Returns (result dict, uninstall)."""
+    import hf_csv.verify as hv
+    import transformers.generation.utils as gu
+    from scipy import stats as sps
+
+    from collections import Counter
+
+    out: dict = {}
+    orig_cert, orig_exact = hv.speculative_sampling_certified, hv._IMPLS["exact"]
+    stock = gu._speculative_sampling
+
+    def stock_rows(sess, cand, L):
+        st = sess.last
+        P = st.logits.shape[1]
+        raw = sess.head.stock(st.H.reshape(P, -1))[P - (L + 1):].float()
+        cur = cand.shape[1] - L
+        procs = [p for p in sess.processors if type(p).__name__ != "CSVLogitsProcessor"]
+        rows = [raw[i][None] for i in range(L + 1)]
+        for i in range(L + 1):
+            for p in procs:
+                rows[i] = p(cand[:, : cur + i], rows[i])
+        return torch.cat(rows)[None]
+
+    def run(kind, fn_csv, sess, cand, cand_logits, L, new_logits):
+        full = stock_rows(sess, cand, L)
+        obs_c, obs_s = Counter(), Counter()
+        gc, gs = torch.Generator().manual_seed(seed), seed + 1
+        torch.manual_seed(gs)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            v, _ = fn_csv(cand, cand_logits, L, new_logits, gc)
+            obs_c[tuple(v[0, :2].tolist()) if v.shape[1] > 1 else (int(v[0, 0]), -1)] += 1
+        t_csv = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            v, _ = stock(cand, cand_logits, L, full, None)
+            obs_s[tuple(v[0, :2].tolist()) if v.shape[1] > 1 else (int(v[0, 0]), -1)] += 1
+        t_stock = time.perf_counter() - t0
+        keys = [k for k in set(obs_c) | set(obs_s) if obs_c[k] + obs_s[k] >= 10]
+        cols = [(obs_c[k], obs_s[k]) for k in keys]
+        cols.append((n - sum(c for c, _ in cols), n - sum(s_ for _, s_ in cols)))
+        cols = [c for c in cols if sum(c) > 0]
+        pv = 1.0 if len(cols) < 2 else float(sps.chi2_contingency([[c[0] for c in cols], [c[1] for c in cols]]).pvalue)
+        out.update(kind=kind, draws=n, drafted=int(L), categories=len(cols), pvalue=pv, alpha=1e-3,
+                   identical_law=pv > 1e-3, verify_ms_csv=1e3 * t_csv / n, verify_ms_stock=1e3 * t_stock / n)
+
+    def certified(sess, cand, cand_logits, L, new_logits, **kw):
+        if not out and int(L) >= 1:
+            run("spec", lambda c, ql, LL, nl, g: orig_cert(sess, c, ql, LL, nl, generator=g), sess, cand,
+                cand_logits, int(L), new_logits)
+            sess.spec_pending = True  # the probe consumed the stash flag; the real call below clears it
+        return orig_cert(sess, cand, cand_logits, L, new_logits, **kw)
+
+    def exact(cand, cand_logits, L, new_logits, weight=None, **kw):
+        h = hv._stack()[-1] if hv._stack() else None
+        sess = getattr(h, "session", None)
+        if not out and int(L) >= 1 and sess is not None and sess.mode == "topk" and sess.last is not None:
+            run("topk", lambda c, ql, LL, nl, g: orig_exact(c, ql, LL, nl, None, generator=g), sess, cand,
+                cand_logits, int(L), new_logits)
+        return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
+
+    hv.speculative_sampling_certified, hv._IMPLS["exact"] = certified, exact
+
+    def uninstall():
+        hv.speculative_sampling_certified, hv._IMPLS["exact"] = orig_cert, orig_exact
+
+    return out, uninstall
+
+
+@torch.no_grad()
+def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
+    """Assisted sampling, stock vs hf_csv (certified target head + sub-vocabulary draft + exact verify), per
+    setting of :data:`SAMPLING_SETTINGS`; calls interleaved, the same seed per prompt and run (the random
+    streams differ, so tokens are not compared; the law is, by :func:`_law_probe`)."""
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = prompts[: args.e2e_prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    cfg = CSVConfig()
+    res: dict[str, Any] = {}
+    for name, kw in SAMPLING_SETTINGS.items():
+        gen_kw = dict(kw, do_sample=True, max_new_tokens=args.new_tokens, pad_token_id=pad)
+        warm = tok(prompts[0], return_tensors="pt")
+        tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=16))
+        tm.generate(**warm, assistant_model=dm, **dict(gen_kw, max_new_tokens=16))
+        law, uninstall = _law_probe(args.law_draws, args.seed)
+        try:
+            tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=8))
+        finally:
+            uninstall()
+        tps = {"stock": [], "csv": []}
+        counter = _StockCounter()
+        spec_tot: dict = {}
+        head_tot = {"rows": 0, "certified": 0}
+        modes, reasons = set(), set()
+        for run in range(args.e2e_runs):
+            acc = {"stock": [0.0, 0], "csv": [0.0, 0]}
+            for i, text in enumerate(prompts):
+                x = dict(tok(text, return_tensors="pt"))
+                n0 = x["input_ids"].shape[1]
+                for m in ("stock", "csv") if (run + i) % 2 == 0 else ("csv", "stock"):
+                    torch.manual_seed(1000 * run + i)
+                    t0 = time.perf_counter()
+                    if m == "stock":
+                        with counter:
+                            out = tm.generate(**x, assistant_model=dm, **gen_kw)
+                        seq = out
+                    else:
+                        out = tm.generate(**x, assistant_model=dm, csv_config=cfg, return_dict_in_generate=True,
+                                          **gen_kw)
+                        seq = out.sequences
+                    acc[m][0] += time.perf_counter() - t0
+                    acc[m][1] += seq.shape[1] - n0
+                    if m == "csv":
+                        st = out.csv_stats
+                        modes.add(st["mode"])
+                        reasons.update(st["reasons"])
+                        head_tot["rows"] += st.get("rows", 0)
+                        head_tot["certified"] += st.get("certified", 0)
+                        for k, v in (st.get("speculative") or {}).items():
+                            if isinstance(v, int):
+                                spec_tot[k] = spec_tot.get(k, 0) + v
+            for m in tps:
+                tps[m].append(acc[m][1] / acc[m][0])
+        med = {m: statistics.median(v) for m, v in tps.items()}
+        res[name] = {
+            "settings": kw, "tokens_per_s_runs": tps, "tokens_per_s_median": med,
+            "assisted_sampling_speedup": med["csv"] / med["stock"],
+            "speedup_runs": [c / s_ for c, s_ in zip(tps["csv"], tps["stock"])],
+            "acceptance_stock": counter.accepted / counter.drafted if counter.drafted else None,
+            "acceptance_csv": spec_tot["accepted"] / spec_tot["drafted"] if spec_tot.get("drafted") else None,
+            "target_mode": sorted(modes), "reasons": sorted(reasons),
+            "target_head_rows": head_tot["rows"], "target_head_rows_certified": head_tot["certified"],
+            "target_head_certified_fraction": head_tot["certified"] / head_tot["rows"] if head_tot["rows"] else None,
+            "verify_rows": spec_tot.get("target_rows", 0),
+            "verify_rows_by_bounds": spec_tot.get("target_rows_by_bounds", 0),
+            "verify_rows_completed": spec_tot.get("target_rows_completed", 0),
+            "law": law,
+        }
+    res["assisted_sampling_speedup"] = {k: res[k]["assisted_sampling_speedup"] for k in SAMPLING_SETTINGS}
+    res["assisted_sampling_identical_law"] = all(res[k]["law"].get("identical_law", False) for k in SAMPLING_SETTINGS)
+    return res
+
+
 # ----------------------------------------------------------------------------- plot + main
 
 
@@ -344,7 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="part 2: new tokens per prompt")
     ap.add_argument("--e2e-prompts", type=int, default=4, help="part 2: prompts per run")
     ap.add_argument("--e2e-runs", type=int, default=3, help="part 2: interleaved runs (median reported)")
-    ap.add_argument("--e2e-sampling", action="store_true", help="part 2: also time assisted sampling")
+    ap.add_argument("--e2e-sampling", action="store_true",
+                    help="part 2: also assisted sampling per setting (speedup, acceptance, law test)")
+    ap.add_argument("--no-greedy", action="store_true", help="part 2: skip the greedy and plain timings")
+    ap.add_argument("--law-draws", type=int, default=20000, help="part 2: draws per law test")
     args = ap.parse_args(argv)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
@@ -359,13 +539,32 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_count": os.cpu_count()},
     }
     if args.part2_only:
-        res["end_to_end"] = e2e = bench_end_to_end(args)
-        plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
-        for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup", "identical_tokens"):
-            res[k] = e2e[k]
+        try:
+            from _load import machine_load
+        except ImportError:
+            from scripts._load import machine_load
+
+        res["machine_before"] = machine_load()
+        if not args.no_greedy:
+            res["end_to_end"] = e2e = bench_end_to_end(args)
+            plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
+            for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup",
+                      "identical_tokens"):
+                res[k] = e2e[k]
+        else:
+            e2e = {}
+        if args.e2e_sampling:
+            tok, tm, dm = _load_pair(args.target, args.draft)
+            res["sampling"] = samp = bench_sampling(args, tok, tm, dm)
+            res["assisted_sampling_speedup"] = samp["assisted_sampling_speedup"]
+            res["assisted_sampling_identical_law"] = samp["assisted_sampling_identical_law"]
+            for k in SAMPLING_SETTINGS:
+                res.setdefault("acceptance", {})[k] = {"stock": samp[k]["acceptance_stock"],
+                                                      "csv": samp[k]["acceptance_csv"]}
+            e2e = dict(e2e, sampling=samp)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2))
-        print(json.dumps({k: v for k, v in e2e.items() if k != "csv_stats_first_run"}, indent=2))
+        print(json.dumps({k: v for k, v in e2e.items() if k != "csv_stats_first_run"}, indent=2, default=str))
         return 0
     res.update(bench_verify(args.V, args.L, args.repeats, args.cases, args.seed))
     quality = bench_quality(args)

@@ -113,7 +113,7 @@ def test_bounded_verify_bonus_law():
         r = bounded_verify(torch.empty(0, dtype=torch.long), torch.empty(0, V), zp.masked_fill(~known, float("-inf")),
                            known, upper, lambda j, t: zp[j] if t is None else zp[j, t], generator=gb, counts=counts)
         obs[int(r.tokens[0])] += 1
-    assert counts["by_bounds"] > 0.5 * n, counts
+    assert counts["by_bounds"] > 0.3 * n, counts  # about half the mass is bounded: the rest needs the row
     p = torch.softmax(zp[0].double(), 0)
     top = [i for i in p.argsort(descending=True).tolist() if p[i] * n >= 5]
     o = [obs[i] for i in top] + [n - sum(obs[i] for i in top)]
