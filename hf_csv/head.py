@@ -45,9 +45,10 @@ _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount]
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-# spec mode: S holds all but about this fraction of a row's mass (upper bound), so the verify's interval
-# for the normalizer is ~1 % wide and its accept/reject decisions rarely need the full row (speed only)
-SPEC_EPS = 1e-2
+# spec mode: S holds all but about this fraction of a row's mass (upper bound), so the verify's interval for
+# the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only: 1e-2 sent flat
+# rows of Qwen-1.5B over the budget (full head), 5e-2 keeps |S| <= ~1,700 there (measured, docs/benchmarks.md §3)
+SPEC_EPS = 5e-2
 
 
 @dataclass

@@ -193,10 +193,14 @@ def _load_pair(target: str, draft: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     td, dd = MODELS / target, MODELS / draft
-    if not ((td / "PROVENANCE.json").is_file() and (dd / "PROVENANCE.json").is_file()):
+    if not ((td / "PROVENANCE.json").is_file() and (draft == "quantized" or (dd / "PROVENANCE.json").is_file())):
         raise SystemExit(f"part 2 needs {td} and {dd}: python ../shared/models/prepare.py {target} {draft}")
     tok = AutoTokenizer.from_pretrained(td)
     tm = hf_csv.enable(AutoModelForCausalLM.from_pretrained(td, dtype=torch.float32).eval())
+    if draft == "quantized":  # the int8 self-draft (hf_csv.candidate.quantized_assistant)
+        from hf_csv.candidate import quantized_assistant
+
+        return tok, tm, quantized_assistant(tm)
     dm = AutoModelForCausalLM.from_pretrained(dd, dtype=torch.float32).eval()
     return tok, tm, dm
 
@@ -513,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", default="qwen-coder-1.5b", help="real target for the sigmoid quality")
-    ap.add_argument("--draft", default="qwen-coder-0.5b", help="real draft (same tokenizer)")
+    ap.add_argument("--draft", default="qwen-coder-0.5b",
+                    help="real draft (same tokenizer), or 'quantized': the target's int8 self-draft")
     ap.add_argument("--prompts", type=int, default=12, help="prompts for the quality measurement")
     ap.add_argument("--no-real", action="store_true", help="skip the real-model quality measurement")
     ap.add_argument("--part2", action="store_true", help="also run part 2 (end-to-end assisted generation)")

@@ -237,3 +237,46 @@ def test_prompt_lookup_sampling_never_uses_spec(pair):
     out = target.generate(ids, assistant_model=_llama(1), do_sample=True, top_k=0, max_new_tokens=6,
                           csv_config=CSVConfig(speculative="stock"), return_dict_in_generate=True)
     assert out.csv_stats["mode"] == "full"
+
+
+def test_quantized_assistant_llama_keeps_the_head_and_greedy_output(pair):
+    from torch.ao.nn.quantized.dynamic import Linear as DynLinear
+
+    from hf_csv.candidate import quantized_assistant
+
+    target, _ = pair
+    q = quantized_assistant(target)
+    assert isinstance(q.lm_head, torch.nn.Linear) and not isinstance(q.lm_head, DynLinear)
+    assert isinstance(q.model.layers[0].self_attn.q_proj, DynLinear)
+    assert isinstance(target.model.layers[0].self_attn.q_proj, torch.nn.Linear)  # the model is untouched
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    out = target.generate(ids, assistant_model=q, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(budget=0.3),
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.csv_stats["draft"]["mode"] == "topk" and out.csv_stats["draft"]["certified"] > 0
+    with pytest.raises(ValueError, match="float32"):
+        quantized_assistant(copy.deepcopy(target).to(torch.bfloat16))
+
+
+def test_quantized_assistant_whisper_reads_the_targets_encoder():
+    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+    from hf_csv.candidate import quantized_assistant
+
+    torch.manual_seed(0)
+    cfg = WhisperConfig(vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
+                        max_source_positions=1500, max_target_positions=64, decoder_start_token_id=1,
+                        pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    m = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        m.proj_out.weight.mul_(20.0)
+    m = hf_csv.enable(m)
+    q = quantized_assistant(m)
+    assert isinstance(q, WhisperForCausalLM) and isinstance(q.proj_out, torch.nn.Linear)
+    feats = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(0))
+    plain = m.generate(feats, max_new_tokens=12, do_sample=False)
+    stock = m.generate(feats, assistant_model=q, max_new_tokens=12, do_sample=False)
+    ours = m.generate(feats, assistant_model=q, max_new_tokens=12, do_sample=False, csv_config=CSVConfig())
+    assert torch.equal(stock, plain) and torch.equal(ours, plain)
