@@ -127,6 +127,21 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     gen.get_candidates = get_candidates
 
 
+def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
+    """When the generator returns no draft logits (its last call, once no new token fits: stock then samples
+    from the target's row itself), the target's next head call must be complete: mode "spec" rows are -inf off
+    S and only hf_csv's verify may read them. Wraps this instance's ``get_candidates`` (outermost)."""
+    inner: Callable = gen.get_candidates
+
+    def get_candidates(*args: Any, **kwargs: Any):
+        ids, logits = inner(*args, **kwargs)
+        if logits is None:
+            sess.spec_full_next = True
+        return ids, logits
+
+    gen.get_candidates = get_candidates
+
+
 def _patched(model: nn.Module, orig: Callable) -> Callable:
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
@@ -141,6 +156,7 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
                 sess.set_full(f"{type(gen).__name__} candidates: the target's certified verify needs an "
                               "AssistedCandidateGenerator's draft logits")
             return gen
+        _full_head_without_drafts(gen, sess)
         applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {}, sess)
         if applied:
             sess.extra["assistant_settings"] = applied

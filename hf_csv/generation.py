@@ -32,6 +32,7 @@ from torch import nn
 from ._compat import unsupported_reason
 from .candidate import patched_candidate_generator, user_assistant_settings
 from .config import CSVConfig
+from .errors import CSVError
 from .head import CSVSession, find_head, forget_heads, model_out_dtype
 from .policy import classify_processor, decide_mode, whisper_log_prob_reason
 from .scope import certified, new_session
@@ -103,6 +104,10 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         out = call(*args, **kwargs)
     if spec is not None and spec.calls:
         sess.extra["speculative"] = spec.summary()
+    if sess.spec_pending:  # pragma: no cover - hf_csv.candidate makes this call complete; never return it silently
+        raise CSVError("hf_csv: the last certified head call of assisted sampling was not read by hf_csv's verify; "
+                       "its tokens may not follow the model's law. Please report this; generate without "
+                       "csv_config meanwhile.")
     return _attach_stats(model, out, sess.summary(), config)
 
 

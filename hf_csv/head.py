@@ -120,6 +120,7 @@ class CSVSession:
     draft: bool = False  # this is the assistant model's session inside a candidate generator
     spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use mode "spec"
     spec_pending: bool = False  # spec mode: a head call's bounds wait for the verify (hf_csv.verify)
+    spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
@@ -317,6 +318,10 @@ class CSVHead(nn.Module):
                 sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
             # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
             # the processor could not find its row, so this call uses the full head)
+            return self._full(sess, hidden)
+        if sess.spec_full_next:
+            # no drafts this round (hf_csv.candidate): stock samples from this row itself, so it must be complete
+            sess.spec_full_next = False
             return self._full(sess, hidden)
         lead, d = hidden.shape[:-1], hidden.shape[-1]
         H = hidden.reshape(-1, d)
