@@ -151,9 +151,6 @@ def speculative_sampling_certified(
     rows = slice(P - (L + 1), P)  # without logits_to_keep the head saw the whole input
     mask = st.mask[0, rows]
     z = new_logits[0]
-    if not torch.equal(torch.isfinite(z), mask & torch.isfinite(st.logits[0, rows])):
-        raise CSVError("hf_csv: the target's processed logits are not -inf exactly off the certified set; a "
-                       "processor changed uncomputed scores. Please report this.")
     head, dtype = session.head, session.out_dtype
     procs = [p for p in (session.processors or ()) if type(p).__name__ == "TemperatureLogitsWarper"]
     ids_stub = candidate_input_ids  # temperature warpers ignore input ids
@@ -165,7 +162,15 @@ def speculative_sampling_certified(
             x = p(ids_stub, x)
         return x[0]
 
-    upper = process(st.upper[0, rows])  # rounding and division by T > 0 are monotone: still upper bounds
+    first = P - (L + 1)
+
+    def upper(j: int) -> torch.Tensor:
+        # row j only when the verify reaches it; rounding and division by T > 0 are monotone: still upper bounds
+        if bool((torch.isfinite(z[j]) & ~mask[j]).any()):
+            raise CSVError("hf_csv: the target's processed logits are finite off the certified set; a processor "
+                           "changed uncomputed scores. Please report this.")
+        return process(st.upper[0, first + j])
+
     H = st.H.reshape(P, -1)
     Hf, Hn = head._check(H)
     def complete(j: int, tokens: torch.Tensor | None) -> torch.Tensor:

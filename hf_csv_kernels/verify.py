@@ -363,7 +363,7 @@ def bounded_verify(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
     known: torch.Tensor,
-    upper: torch.Tensor,
+    upper,
     complete,
     *,
     generator: torch.Generator | None = None,
@@ -375,7 +375,8 @@ def bounded_verify(
         draft_ids, draft_logits: as in :func:`exact_verify` (the draft's law q must be fully given).
         target_logits: [L+1, V] processed target scores, exact where ``known``.
         known: [L+1, V] bool.
-        upper: [L+1, V] upper bounds on the processed target scores where not ``known``.
+        upper: [L+1, V] upper bounds on the processed target scores where not ``known``, or a function
+            ``upper(j)`` returning row j's (rows are then built only when the verify reaches them).
         complete: ``complete(j, tokens)`` returns the exact processed scores of row j at ``tokens``
             (a long tensor), or the whole row when ``tokens`` is None.
         counts: optional dict accumulating ``rows`` (rows looked at), ``by_bounds`` (decisions taken from
@@ -388,10 +389,8 @@ def bounded_verify(
     Arithmetic: fp32, as stock's; the interval is widened by a slack that covers its rounding.
     """
     L = _check_shapes(draft_ids, draft_logits, target_logits)
-    if known.shape != target_logits.shape or upper.shape != target_logits.shape:
+    if known.shape != target_logits.shape or (torch.is_tensor(upper) and upper.shape != target_logits.shape):
         raise ValueError("known and upper must have the target logits' shape [L+1, V]")
-    if bool(torch.isnan(upper.masked_fill(known, 0.0)).any()):
-        raise ValueError("upper bounds must not be NaN")
     dev = target_logits.device
     ids = draft_ids.to(device=dev, dtype=torch.long)
     c = counts if counts is not None else {}
@@ -399,21 +398,28 @@ def bounded_verify(
         c.setdefault(key, 0)
     u = torch.rand(L, generator=generator, device=dev, dtype=torch.float32).tolist()
     V = target_logits.shape[1]
-    # one batched pass for the interval of every row: exact part, bounded part
-    zin = target_logits.float().masked_fill(~known, float("-inf"))
-    lse_known = torch.logsumexp(zin, 1).tolist()
-    lse_upper = torch.logsumexp(upper.float().masked_fill(known, float("-inf")), 1).tolist()
-    lse_q = torch.logsumexp(draft_logits.float(), 1).tolist() if L else []
     zqx = draft_logits.float().gather(1, ids[:, None]).squeeze(1).tolist() if L else []
-    rows = [_BoundedRow(j, target_logits[j], known[j], upper[j], lse_known[j], lse_upper[j], complete)
-            for j in range(L + 1)]
+    lse_q: dict[int, float] = {}
+
+    def make_row(j: int) -> _BoundedRow:
+        # built when the verify reaches row j: rows after the first rejection are never touched
+        up = upper[j] if torch.is_tensor(upper) else upper(j)
+        kn = known[j]
+        if bool(torch.isnan(up.masked_fill(kn, 0.0)).any()):
+            raise ValueError("upper bounds must not be NaN")
+        a = float(torch.logsumexp(target_logits[j].float().masked_fill(~kn, float("-inf")), 0))
+        b = float(torch.logsumexp(up.float().masked_fill(kn, float("-inf")), 0))
+        return _BoundedRow(j, target_logits[j], kn, up, a, b, complete)
+
+    rows: dict[int, _BoundedRow] = {}
     n = L
     for j in range(L):
+        lse_q[j] = float(torch.logsumexp(draft_logits[j].float(), 0))
         if not math.isfinite(zqx[j]) or not math.isfinite(lse_q[j]):
             raise DraftProbabilityError(
                 "a drafted token has draft probability 0 (logit -inf or NaN), or a draft row cannot be "
                 "normalized: the draft logits are not the distribution the token was sampled from")
-        row = rows[j]
+        row = rows[j] = make_row(j)
         x = int(ids[j])
         c["rows"] += 1
         log_u = math.log(u[j]) if u[j] > 0 else -math.inf
@@ -434,7 +440,7 @@ def bounded_verify(
         tok = _bounded_residual(rows[n], draft_logits[n].float(), lse_q[n], V, generator, c)
     else:
         c["rows"] += 1
-        tok = _bounded_bonus(rows[L], V, generator, c)
+        tok = _bounded_bonus(make_row(L), V, generator, c)
     out = torch.empty(n + 1, dtype=torch.long, device=dev)
     out[:n] = ids[:n]
     out[n] = tok
