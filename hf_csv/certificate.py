@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
 from hf_csv_kernels.threads import ThreadTuner, caller_threads, rows_bucket
+from hf_csv_kernels.verify import gumbel_noise
 
 from .bounds import BoundProvider, make_provider
 from .index import VocabIndex
@@ -307,7 +308,7 @@ class CertifiedHead:
         if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
             if tokens is None:
                 tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
-            noise = _gumbel((N, self.vocab_size), Hf.device, kwargs.get("generator"))
+            noise = gumbel_noise((N, self.vocab_size), Hf.device, kwargs.get("generator"))
             cut = torch.full((N,), float("-inf"), device=Hf.device)
             if len(good):
                 noise[good] = sub.noise
@@ -535,11 +536,11 @@ class CertifiedHead:
                 res.stats.certified -= len(idx)
                 res.stats.fallback += len(idx)
             law = self._law(res.logits, d, post, warps, mask=S)
-            res.tokens = (law + _gumbel(law.shape, Hf.device, generator)).argmax(1)
+            res.tokens = (law + gumbel_noise(law.shape, Hf.device, generator)).argmax(1)
             return res
         stats = CertStats(vocab_size=V)
         est, U = self.provider(Hf)
-        g = _gumbel(U.shape, Hf.device, generator)
+        g = gumbel_noise(U.shape, Hf.device, generator)
         heur = est
         for kind, v in warps:
             heur = heur / v
@@ -611,8 +612,3 @@ def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor
     out[has2, 1] = v[start[has2] + 1]
     return out
 
-
-def _gumbel(shape, device, generator) -> torch.Tensor:
-    u = torch.rand(shape, device=device, generator=generator)
-    # clamp away from 0 and 1 so G is finite; the change in probability is < 1e-38 per token
-    return -torch.log(-torch.log(u.clamp(min=torch.finfo(torch.float32).tiny, max=1 - 2 ** -24)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import torch
@@ -211,10 +211,7 @@ class SpeculativePatch:
     accepted: int = 0
     drafted: int = 0
     certified_calls: int = 0
-    counts: dict = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.counts = {"rows": 0, "by_bounds": 0, "completed": 0}
+    counts: dict = field(default_factory=lambda: {"rows": 0, "by_bounds": 0, "completed": 0})
 
     def summary(self) -> dict:
         """What ``csv_stats["speculative"]`` reports."""

@@ -38,6 +38,7 @@ __all__ = [
     "DraftProbabilityError",
     "exact_verify",
     "bounded_verify",
+    "gumbel_noise",
     "sigmoid_verify",
     "sigmoid_probs",
     "sigmoid_first_token_distribution",
@@ -277,10 +278,11 @@ def exact_verify(
 _BOUND_SLACK = 1e-5
 
 
-def _gumbel_noise(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """i.i.d. standard Gumbel variates -log(-log u), u ~ U(0, 1) clamped away from 0 and 1 (as the certified
-    head's lazy Gumbel draw: torch.rand is ~10x cheaper per element than exponential_ on CPU)."""
-    u = torch.rand(n, device=device, generator=generator)
+def gumbel_noise(shape, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """i.i.d. standard Gumbel variates -log(-log u), u ~ U(0, 1) (torch.rand: ~10x cheaper per element than
+    exponential_ on CPU), clamped away from 0 and 1 so G is finite; the change in probability is < 1e-38 per
+    token. Shared by the certified head's lazy Gumbel draw and the bounded verify."""
+    u = torch.rand(shape, device=device, generator=generator)
     return u.clamp_(min=torch.finfo(torch.float32).tiny, max=1 - 2 ** -24).log_().neg_().log_().neg_()
 
 
@@ -457,7 +459,7 @@ def _bounded_residual(row: _BoundedRow, zq: torch.Tensor, lq: float, V: int, gen
     else:
         row.fetch(support)
     q = torch.exp(zq - lq)  # 0 off the draft's support
-    G = _gumbel_noise(V, zq.device, generator)
+    G = gumbel_noise(V, zq.device, generator)
     if row.full is None:
         z, up = row.dense()
         s_lo = torch.log((torch.exp(z - row.hi) - q).clamp_min_(0.0)) + G  # smallest weights (largest Z)
@@ -482,7 +484,7 @@ def _bounded_residual(row: _BoundedRow, zq: torch.Tensor, lq: float, V: int, gen
 def _bounded_bonus(row: _BoundedRow, V: int, generator, c: dict) -> int:
     """Gumbel-max draw from p = softmax(row): from the exact entries when their best perturbed score beats
     every bounded one's perturbed upper bound (strictly), else from the completed row (same noise)."""
-    G = _gumbel_noise(V, row._z.device, generator)
+    G = gumbel_noise(V, row._z.device, generator)
     if row.full is None:
         z, up = row.dense()
         s = z + G
