@@ -210,15 +210,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         return session
     # multinomial sampling
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
-    if len(topks) == 1 and cfg.mode != "sample" and top_k < session.head.vocab_size:
-        i = topks[0]
-        before = {classify_processor(p) for p in processors[:i]}
-        if before <= {"order", "lower"}:
-            # certified top-K, checked right after the top-k warper (docs/certificates.md §3.2): from there
-            # on every warper (top-p, min-p, ...) and stock's sampler see exactly stock's vector
-            session.mode, session.k, session.verify = "topk", top_k, True
-            session.check_after = processors[i]
-            return session
+    if _top_k_plan(session, processors, topks, top_k):
+        return session
     why = _min_p_plan(session, processors, topks)
     if why is None:
         return session
@@ -248,6 +241,20 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         return session
     session.mode = "sample"
     return session
+
+
+def _top_k_plan(session: CSVSession, processors: list, topks: list, top_k: Optional[int]) -> bool:
+    """Certified top-K checked right after the single top-k warper (docs/certificates.md §3.2), when only
+    order-preserving or lowering processors come before it: from there on every warper (top-p, min-p, ...),
+    stock's sampler and the speculative verify see exactly stock's vector. Returns whether it was set."""
+    if len(topks) != 1 or session.config.mode == "sample" or top_k >= session.head.vocab_size:
+        return False
+    i = topks[0]
+    if not {classify_processor(p) for p in processors[:i]} <= {"order", "lower"}:
+        return False
+    session.mode, session.k, session.verify = "topk", top_k, True
+    session.check_after = processors[i]
+    return True
 
 
 # min-p's kept set is {p_i >= min_p · p_max} = {x_i − max >= ln(min_p)}; below this, min_p would keep
@@ -303,18 +310,13 @@ def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, 
       completes rows with the full head where they do not.
     * Anything else: the full head, with the reason.
     """
-    cfg = session.config
     post = session.post
     if num_beams > 1:
         session.set_full("assisted beam sampling is not certified")
         return session
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
-    if len(topks) == 1 and cfg.mode != "sample" and top_k < session.head.vocab_size:
-        i = topks[0]
-        if {classify_processor(p) for p in processors[:i]} <= {"order", "lower"}:
-            session.mode, session.k, session.verify = "topk", top_k, True
-            session.check_after = processors[i]
-            return session
+    if _top_k_plan(session, processors, topks, top_k):
+        return session
     names = {type(p).__name__ for p in processors}
     if not session.spec_ok:
         session.set_full("assisted sampling without a top-k warper needs the full target distribution unless "

@@ -260,19 +260,12 @@ def test_quantized_assistant_llama_keeps_the_head_and_greedy_output(pair):
 
 
 def test_quantized_assistant_whisper_reads_the_targets_encoder():
-    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+    from test_generate_extra import _tiny_whisper
+    from transformers import WhisperForCausalLM
 
     from hf_csv.candidate import quantized_assistant
 
-    torch.manual_seed(0)
-    cfg = WhisperConfig(vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
-                        max_source_positions=1500, max_target_positions=64, decoder_start_token_id=1,
-                        pad_token_id=0, eos_token_id=2, bos_token_id=1)
-    m = WhisperForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        m.proj_out.weight.mul_(20.0)
-    m = hf_csv.enable(m)
+    m = hf_csv.enable(_tiny_whisper())
     q = quantized_assistant(m)
     assert isinstance(q, WhisperForCausalLM) and isinstance(q.proj_out, torch.nn.Linear)
     feats = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(0))
