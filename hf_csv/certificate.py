@@ -213,17 +213,18 @@ class CertifiedHead:
         return val.to(value_dtype).float()
 
     def _dense(self, S: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
-               stats: CertStats, U: torch.Tensor) -> tuple[torch.Tensor, "_Dense"]:
+               stats: CertStats, U: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, "_Dense"]:
         """Dense [N, V] logits in ``value_dtype``: the stock values on S, -inf outside; rows over the
-        budget get the whole stock row (and S = V). Stats are accumulated into ``stats``."""
+        budget (plus ``extra`` tokens put in S on every row) get the whole stock row (and S = V). Stats are
+        accumulated into ``stats``."""
         N, V = S.shape
         if N <= 8:  # decode: one pass over S; counts from the (small) candidate list
             r, t = S.nonzero(as_tuple=True)
             counts = torch.bincount(r, minlength=N)
         else:
             counts = S.sum(1)
-        over = counts > self.budget
-        big = (counts > self._dense_cutoff) & ~over
+        over = counts > self.budget + extra
+        big = (counts > self._dense_cutoff + extra) & ~over
         special = over | big
         if N <= 8:
             if bool(special.any()):
@@ -318,7 +319,8 @@ class CertifiedHead:
 
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
-    def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None) -> CertResult:
+    def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
+             always: int = 0) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -326,12 +328,19 @@ class CertifiedHead:
         (rounded to ``out_dtype``) <= ``bound`` < round(lo): strictly below the k-th, so neither a
         top-k filter nor argmax's lowest-index tie-break can pick it. ``out_dtype`` is the dtype
         stock's head returns (bf16 for a bf16 model); ``None`` means fp32.
+
+        ``always``: the last ``always`` tokens are put in S on every row (computed exactly, outside the
+        budget): Whisper's timestamp block, whose logsumexp its timestamp processor reads. More tokens in S
+        leave the guarantee as it is.
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
-        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype)
+        if not 0 <= always < self.vocab_size:
+            raise ValueError(f"always must be in [0, {self.vocab_size}), got {always}")
+        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always))
 
-    def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None) -> CertResult:
+    def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
+              always: int = 0) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -341,7 +350,9 @@ class CertifiedHead:
         lo = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1).amin(1)
         t, bound = _cut(lo, self.stock_error(Hf), d)
         S = U >= t[:, None]
-        logits, info = self._dense(S, Hf, Hn, d, stats, U)
+        if always:
+            S[:, self.vocab_size - always:] = True
+        logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always)
         bound = bound.masked_fill(info.complete, float("-inf"))
         if k == 1:
             if N == 1 and not info.special and info.vals.numel() >= 2:

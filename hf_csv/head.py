@@ -115,6 +115,8 @@ class CSVSession:
     delta: float = 0.0  # threshold mode: the head computes every token within delta (raw logits) of the max
     delta_rel: float = 0.0  # ... plus delta_rel·|max| (lowering processors may lower the top token)
     draw_after: bool = False  # sample mode: the Gumbel draw happens in the CSVLogitsProcessor, after lowering ones
+    ts_proc: Any = None  # Whisper timestamps: the WhisperTimeStampLogitsProcessor the check runs right before
+    always: int = 0  # topk mode: the last `always` tokens are computed exactly on every row (the timestamp block)
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
@@ -335,7 +337,7 @@ class CSVHead(nn.Module):
         guard = getattr(ch, "_speed_guard", None)
         gkey = None
         if guard is not None and guard.enabled():
-            gkey = (sess.mode, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
+            gkey = (sess.mode, sess.always, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
             if not guard.certified(gkey):
                 sess.note("the full head is measured faster than the certified one for this shape (hf_csv.speed)")
                 t0 = time.perf_counter()
@@ -346,7 +348,7 @@ class CSVHead(nn.Module):
             t0 = time.perf_counter()
         mode = sess.mode
         if mode == "topk":
-            res = ch.topk(H, sess.k, out_dtype=sess.out_dtype)
+            res = ch.topk(H, sess.k, out_dtype=sess.out_dtype, **({"always": sess.always} if sess.always else {}))
             out = res.logits
             if sess.fill_tail and res.est is not None:
                 out = _fill_tail(out, res.est, res.mask)

@@ -19,6 +19,7 @@ __all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "
 #   topk:  keeps the K largest (exact with a top-K certificate, K known)
 #   lower: lowers (or sets to constants) particular tokens; commutes with top-k after a check
 #   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
+#   timestamps: Whisper's timestamp rules and its logsumexp decision (greedy: checked right before it)
 #   full:  may raise uncomputed tokens or reads all logits: full head
 _KIND = {
     "TemperatureLogitsWarper": "order",
@@ -48,7 +49,7 @@ _KIND = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "full",
     "WatermarkLogitsProcessor": "full",
     "SynthIDTextWatermarkLogitsProcessor": "full",
-    "WhisperTimeStampLogitsProcessor": "full",
+    "WhisperTimeStampLogitsProcessor": "timestamps",
     "WhisperNoSpeechDetection": "full",
     "BarkEosPrioritizerLogitsProcessor": "full",
     "AlternatingCodebooksLogitsProcessor": "full",
@@ -58,12 +59,12 @@ _KIND = {
 _SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
 # Whisper settings that read log-probabilities over the whole vocabulary (temperature fallback,
-# no-speech detection) or the timestamp logsumexp
-_WHISPER_LOGPROB_KEYS = ("logprob_threshold", "no_speech_threshold", "return_token_timestamps", "return_timestamps")
+# no-speech detection, token timestamps' scores). Timestamps alone are certified (``_timestamp_plan``).
+_WHISPER_LOGPROB_KEYS = ("logprob_threshold", "no_speech_threshold", "return_token_timestamps")
 
 
 def classify_processor(p: Any) -> str:
-    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``full`` | ``csv`` for one logits processor.
+    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``timestamps`` | ``full`` | ``csv`` for one logits processor.
 
     Custom processors may declare ``csv_kind`` (one of the above) to opt in; unknown ones are
     ``full`` (they might raise an uncomputed token).
@@ -128,6 +129,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     session.check_after = None
     session.check_before = None
     session.draw_after = False
+    session.ts_proc, session.always = None, 0
     if session.force_full:
         session.set_full(session.force_full)
         return session
@@ -161,6 +163,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         return session
     num_beams = int(getattr(gc, "num_beams", 1) or 1)
     do_sample = bool(getattr(gc, "do_sample", False))
+    if "timestamps" in kinds:
+        return _timestamp_plan(session, processors, kinds, do_sample, num_beams)
     temperature, top_k, warps = 1.0, None, []
     for p in processors:
         if type(p).__name__ == "TemperatureLogitsWarper":
@@ -240,6 +244,44 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         session.set_full("several top-k warpers")
         return session
     session.mode = "sample"
+    return session
+
+
+def _timestamp_plan(session: CSVSession, processors: list, kinds: dict, do_sample: bool,
+                    num_beams: int) -> CSVSession:
+    """Greedy Whisper decoding with timestamps (docs/certificates.md §3.5): certified top-1 of the text
+    tokens plus the exact logits of every token from the first special token (eos) on, timestamps
+    included, on every row; the check right before the WhisperTimeStampLogitsProcessor proves that the
+    processor takes stock's decision (timestamp or text) and that the argmax after it is stock's."""
+    if session.assisted or session.draft:
+        session.set_full("Whisper timestamps in assisted generation: not certified (full head)")
+        return session
+    if do_sample or num_beams > 1:
+        session.set_full("Whisper timestamps with sampling (temperature fallback) or beam search: the timestamp "
+                         "rule's logsumexp is certified for greedy decoding only")
+        return session
+    names = [type(p).__name__ for p in processors]
+    ts = [i for i, n in enumerate(names) if classify_processor(processors[i]) == "timestamps"]
+    if len(ts) != 1 or ts[0] != len(processors) - 1:
+        session.set_full(f"Whisper's timestamp processor not last, or more than one: {names}")
+        return session
+    if {classify_processor(p) for p in processors[:-1]} - {"order", "lower"}:
+        session.set_full(f"Whisper timestamps with normalizing processors {kinds.get('norm')}")
+        return session
+    if getattr(session.head, "modes", None) is not None:
+        session.set_full("the vocabulary-parallel head does not compute Whisper's timestamp block")
+        return session
+    proc = processors[-1]
+    V = session.head.vocab_size
+    eos = getattr(proc, "eos_token_id", None)
+    eos = min(eos) if isinstance(eos, (list, tuple)) and eos else eos
+    tb = int(proc.timestamp_begin)
+    start = min(tb, int(eos)) if isinstance(eos, int) and eos >= 0 else tb
+    if not (0 < start <= tb < V):
+        session.set_full(f"Whisper timestamps with an unexpected vocabulary layout (timestamp_begin {tb}, V {V})")
+        return session
+    session.mode, session.k, session.verify = "topk", 1, True
+    session.ts_proc, session.check_before, session.always = proc, proc, V - start
     return session
 
 

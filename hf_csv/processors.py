@@ -98,6 +98,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
             if sess.mode == "threshold":
                 bad = _min_p_unsure(scores.float(), ob, sess.min_p)
+            elif sess.ts_proc is not None:
+                bad = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
             else:
                 kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
                 bad = ~(kth > ob)
@@ -158,6 +160,57 @@ class CSVLogitsProcessor(LogitsProcessor):
                 break
             new = proc(input_ids, new)
         return new
+
+
+# Slack of the timestamp decision (docs/certificates.md §3.5): stock compares fl(logsumexp(fl(log_softmax(x))[ts]))
+# with fl(max(fl(log_softmax(x))[text])) under its normalizer, this vector under another; each side is within a few
+# ulps of its magnitude plus the logsumexp's summation error over <= ~1,500 terms (γ_1500 < 1e-4) of the exact
+# difference. 1e-3 + 1e-5·magnitude is a ten-fold margin over that.
+_TS_SLACK_ABS, _TS_SLACK_REL = 1e-3, 1e-5
+
+
+def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor, ob: torch.Tensor,
+                      computed: torch.Tensor) -> torch.Tensor:
+    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax.
+
+    The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
+    tokens when logsumexp(timestamps) > max(text) in log-probabilities (the normalizer cancels). Its masks are
+    read by running it on a probe on which (b) cannot fire unless the text is already all masked. Sure when
+    * no uncomputed token survives the masks: both vectors are then equal after them; or
+    * the text max here is above ``ob`` (so it is stock's) and clear of the timestamp logsumexp by the slack:
+      the same decision, and the same argmax after it (uncomputed tokens <= ob < that max); or
+    * the timestamp logsumexp (exact: the block is always computed) clears max(text max, ob): both mask the
+      text and keep equal timestamp blocks.
+    """
+    proc = sess.ts_proc
+    tb = int(proc.timestamp_begin)
+    probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    probe[:, tb:] = -1e4
+    M = proc(input_ids, probe) == float("-inf")
+    xm = x.double().masked_fill(M, float("-inf"))
+    alive = (~computed & ~M).any(1)
+    ob = ob.double()
+    if not getattr(proc, "_detect_timestamp_from_logprob", True):  # rules only: a lowering processor
+        ok = ~alive | (xm.amax(1) > ob)
+        ts_won = torch.zeros_like(ok)
+    else:
+        a = xm[:, :tb].amax(1)
+        t = torch.logsumexp(xm[:, tb:], 1)
+        mag = torch.where(torch.isfinite(a), a.abs(), 0) + torch.where(torch.isfinite(t), t.abs(), 0)
+        slack = _TS_SLACK_ABS + _TS_SLACK_REL * mag
+        clear = (t - a).abs() > slack
+        ts_won = (t - torch.maximum(a, ob)) > slack
+        ok = ~alive | ((a > ob) & clear) | ts_won
+        ts_won = ts_won | ((a > ob) & clear & (t > a))
+    st = sess.extra.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
+                                              "text_decided": 0, "rows_rerun": 0})
+    n = int(x.shape[0])
+    st["rows"] += n
+    st["equal_after_rules"] += int((~alive).sum())
+    st["timestamp_decided"] += int((alive & ok & ts_won).sum())
+    st["text_decided"] += int((alive & ok & ~ts_won).sum())
+    st["rows_rerun"] += int((~ok).sum())
+    return ~ok
 
 
 # Relative slack of the min-p decision in float arithmetic (docs/certificates.md §3.3): the warper compares

@@ -4,7 +4,8 @@ Each case draws an architecture (tiny random Llama, Qwen2, Gemma-2 with softcap,
 logit_scale, Granite with logits_scaling, Phi with a head bias, Whisper), a dtype (fp32, bf16), a
 batch (1 or more, left-padded), a decoding method (greedy, beam, sampling with random temperature /
 top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram, bad words, min new
-tokens), output_scores and a stopping criterion that reads scores, and a CSVConfig. Then:
+tokens; Whisper with or without return_timestamps), output_scores and a stopping criterion that reads scores, and a
+CSVConfig. Then:
 
 * deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
 * sampling with a top-k or min-p certificate (stock's sampler on stock's vector): the same tokens as stock
@@ -74,6 +75,11 @@ def _build(arch: str, seed: int) -> torch.nn.Module:
                                max_target_positions=64, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
                                bos_token_id=1)
         m = tf.WhisperForConditionalGeneration(cfg)
+        # Whisper's layout for return_timestamps: text, specials from eos on, the timestamp block last
+        tb = vocab - vocab // 3
+        m.generation_config.no_timestamps_token_id = tb - 1
+        m.generation_config.eos_token_id = tb - 5
+        m.generation_config.max_initial_timestamp_index = rng.choice([None, 5])
     elif arch == "llama":
         m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
     elif arch == "qwen2":
@@ -138,6 +144,8 @@ def _case(i: int) -> dict:
             v = rng.choice(vals)
             if v is not None:
                 kw[key] = v
+    if arch == "whisper" and rng.random() < 0.5:
+        kw["return_timestamps"] = True
     if rng.random() < 0.15:
         kw["repetition_penalty"] = rng.choice([1.3, 1.3, 0.8])
     if rng.random() < 0.12:
@@ -181,10 +189,25 @@ def _gen(m, c: dict, inputs: dict, csv: bool, **extra):
 
 
 def _seqs(out):
-    return out if torch.is_tensor(out) else out.sequences
+    if torch.is_tensor(out):
+        return out
+    return out["sequences"] if isinstance(out, dict) and "sequences" in out else out.sequences
+
+
+def _deep_equal(a, b) -> bool:
+    """Tensors bitwise, containers element by element (Whisper's dict with its per-segment results)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):  # (cache objects are not outputs to compare)
+        return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a if k != "past_key_values")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _same_outputs(a, b) -> tuple[bool, str]:
+    if type(a) is dict:  # Whisper with timestamps and return_dict_in_generate: sequences plus segments
+        return (True, "") if _deep_equal(a, b) else (False, f"Whisper's output differs from stock's: {a} vs {b}")
     if not torch.equal(_seqs(a), _seqs(b)):
         return False, f"tokens differ:\n stock {_seqs(a).tolist()}\n csv   {_seqs(b).tolist()}"
     for name in ("scores", "sequences_scores"):
@@ -249,7 +272,8 @@ def _law_check(m, c: dict, inputs: dict, n_sampling: int) -> tuple[bool, str]:
 def _run(c: dict, n_sampling: int) -> dict:
     m = _model(c["arch"], c["dtype"], c["seed"])
     inputs = _inputs(c, m)
-    res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"]}
+    res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"],
+           "timestamps": bool(c["kw"].get("return_timestamps"))}
     if c["kind"] == "sample":
         torch.manual_seed(c["id"])
         a = _gen(m, c, inputs, False)
@@ -295,6 +319,8 @@ def test_differential_summary(request):
                "by_kind_certified": dict(Counter(r["kind"] for r in RESULTS if r["status"] == "certified")),
                "by_kind": dict(Counter(r["kind"] for r in RESULTS)),
                "reruns": sum(r["reruns"] for r in RESULTS),
+               "whisper_timestamps": {"cases": sum(r["timestamps"] for r in RESULTS),
+                                      "certified": sum(r["timestamps"] and r["status"] == "certified" for r in RESULTS)},
                "decline_reasons": dict(Counter(reason.split(":")[0] for r in RESULTS if r["status"] == "declined"
                                                for reason in r["reasons"][:1])),
                "alpha_family": ALPHA, "draws": DRAWS}
