@@ -94,7 +94,7 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
-    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon | spec (set by policy.decide_mode)
+    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon | spec | nucleus (policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
@@ -117,6 +117,9 @@ class CSVSession:
     draw_after: bool = False  # sample mode: the Gumbel draw happens in the CSVLogitsProcessor, after lowering ones
     ts_proc: Any = None  # Whisper timestamps: the WhisperTimeStampLogitsProcessor the check runs right before
     always: int = 0  # topk mode: the last `always` tokens are computed exactly on every row (the timestamp block)
+    top_p_proc: Any = None  # nucleus mode: the TopPLogitsWarper whose place the CSVLogitsProcessor takes
+    check_replaces: Any = None  # the processor the CSVLogitsProcessor replaces in the list (nucleus mode)
+    nucleus_eps: float = 0.05  # nucleus mode: the head's S leaves about this fraction of a row's mass outside
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
@@ -358,6 +361,9 @@ class CSVHead(nn.Module):
         elif mode in ("beam", "epsilon"):
             eps = sess.config.beam_epsilon if mode == "beam" else sess.config.epsilon
             res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
+            out = res.logits
+        elif mode == "nucleus":
+            res = ch.spec(H, sess.nucleus_eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
             out = res.logits
         elif mode == "spec":
             if sess.spec_pending:

@@ -130,6 +130,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     session.check_before = None
     session.draw_after = False
     session.ts_proc, session.always = None, 0
+    session.top_p_proc = session.check_replaces = None
     if session.force_full:
         session.set_full(session.force_full)
         return session
@@ -219,6 +220,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     why = _min_p_plan(session, processors, topks)
     if why is None:
         return session
+    if _top_p_plan(session, processors, topks):
+        return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampling after {post.describe()}: the map turns uncomputed -inf logits into finite "
                          "scores that keep probability")
@@ -249,7 +252,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
 
 def _timestamp_plan(session: CSVSession, processors: list, kinds: dict, do_sample: bool,
                     num_beams: int) -> CSVSession:
-    """Greedy Whisper decoding with timestamps (docs/certificates.md §3.5): certified top-1 of the text
+    """Greedy Whisper decoding with timestamps (docs/certificates.md §3.4): certified top-1 of the text
     tokens plus the exact logits of every token from the first special token (eos) on, timestamps
     included, on every row; the check right before the WhisperTimeStampLogitsProcessor proves that the
     processor takes stock's decision (timestamp or text) and that the argmax after it is stock's."""
@@ -338,6 +341,32 @@ def _min_p_plan(session: CSVSession, processors: list, topks: list) -> Optional[
     session.delta_rel = 0.1 if any(classify_processor(p) == "lower" for p in processors[:i]) else 0.0
     session.check_before = mp
     return None
+
+
+def _top_p_plan(session: CSVSession, processors: list, topks: list) -> bool:
+    """Nucleus mode for top-p sampling without a top-k (docs/certificates.md §3.5): the head returns exact logits
+    on S and an upper bound on every other token; the CSVLogitsProcessor takes the top-p warper's place and
+    computes stock's nucleus from them where the bounds decide it (else the row gets the full head and stock's
+    warper). Returns whether it was set."""
+    if topks or session.config.mode == "sample" or not session.post.identity:
+        return False
+    norms = [i for i, p in enumerate(processors) if classify_processor(p) == "norm"]
+    if len(norms) != 1 or type(processors[norms[0]]).__name__ != "TopPLogitsWarper" or norms[0] != len(processors) - 1:
+        return False
+    tp = processors[norms[0]]
+    if int(getattr(tp, "min_tokens_to_keep", 1)) != 1 or getattr(tp, "filter_value", float("-inf")) != float("-inf"):
+        return False
+    if {classify_processor(p) for p in processors[:-1]} - {"order", "lower"}:
+        return False
+    top_p = float(tp.top_p)
+    if not 0.0 < top_p < 1.0:
+        return False
+    session.mode, session.verify = "nucleus", True
+    session.top_p_proc = session.check_replaces = tp
+    # the head's S leaves at most about a tenth of the removed mass (1 − top_p) outside: the decisions then
+    # rarely need the full row (speed only; the check decides correctness)
+    session.nucleus_eps = min(5e-2, max(1e-3, 0.2 * (1.0 - top_p)))
+    return True
 
 
 def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, num_beams: int,

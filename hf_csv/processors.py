@@ -68,7 +68,12 @@ class CSVLogitsProcessor(LogitsProcessor):
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
-        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "threshold", "sample"):
+        if sess is not None and sess.check_replaces is not None and (
+                sess.mode != "nucleus" or not sess.verify or sess.last is None):
+            # this processor took the top-p warper's place, and this step's row is stock's (the call or the head
+            # call went to the full head, e.g. a stopping criterion declined it after the list was built)
+            return sess.top_p_proc(input_ids, scores)
+        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "threshold", "sample", "nucleus"):
             return scores
         last = sess.last
         if last is None:
@@ -78,6 +83,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         p = last.position(input_ids.shape[1])
         if sess.mode == "sample":
             return self._draw(input_ids, scores, sess, last, p)
+        if sess.mode == "nucleus":
+            return self._nucleus(input_ids, scores, sess, last, p)
         raw = last.logits[:, p]
         k = min(sess.k, raw.shape[1])
         if sess.draft and k > 1:
@@ -136,6 +143,38 @@ class CSVLogitsProcessor(LogitsProcessor):
         out[r, tok] = scores[r, tok]
         return out
 
+    def _nucleus(self, input_ids, scores, sess, last, p):
+        """Top-p without a top-k (docs/certificates.md §3.5), in the warper's place: stock's warper output where
+        the bounds decide every token's membership of the nucleus, else the full row through stock's warper."""
+        warper = sess.top_p_proc
+        S = last.mask[:, p]
+        up = last.upper[:, p]
+        if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
+            up = up + up.abs() * torch.finfo(sess.out_dtype).eps
+        for proc in sess.processors or ():
+            if proc is self:
+                break
+            if classify_processor(proc) == "order":  # temperature; lowering processors only lower, bounds stay bounds
+                up = proc(input_ids, up)
+        complete = S.all(1)
+        remove, bad = _nucleus_decide(scores, S, up, float(warper.top_p))
+        bad &= ~complete
+        st = sess.extra.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
+                                               "rows_rerun": 0})
+        st["rows"] += int(scores.shape[0])
+        st["complete_rows"] += int(complete.sum())
+        st["rows_rerun"] += int(bad.sum())
+        st["decided_by_bounds"] += int((~bad & ~complete).sum())
+        out = scores.masked_fill(remove, warper.filter_value)
+        fix = bad | complete
+        if bool(fix.any()):
+            src = self._rerun(input_ids, scores, sess, last, p, bad) if bool(bad.any()) else scores
+            idx = fix.nonzero(as_tuple=True)[0]
+            out[idx] = warper(input_ids[idx], src[idx])  # stock's warper on stock's rows (it works row by row)
+        elif self.record:
+            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
+        return out
+
     def _rerun(self, input_ids, scores, sess, last, p, bad):
         """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
         nbad = int(bad.sum())
@@ -162,7 +201,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         return new
 
 
-# Slack of the timestamp decision (docs/certificates.md §3.5): stock compares fl(logsumexp(fl(log_softmax(x))[ts]))
+# Slack of the timestamp decision (docs/certificates.md §3.4): stock compares fl(logsumexp(fl(log_softmax(x))[ts]))
 # with fl(max(fl(log_softmax(x))[text])) under its normalizer, this vector under another; each side is within a few
 # ulps of its magnitude plus the logsumexp's summation error over <= ~1,500 terms (γ_1500 < 1e-4) of the exact
 # difference. 1e-3 + 1e-5·magnitude is a ten-fold margin over that.
@@ -211,6 +250,64 @@ def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor
     st["text_decided"] += int((alive & ok & ~ts_won).sum())
     st["rows_rerun"] += int((~ok).sum())
     return ~ok
+
+
+def _nucleus_sigma(V: int) -> float:
+    """Relative slack of the top-p decision (docs/certificates.md §3.5): stock's float cumulative probability
+    C'_j = fl(cumsum(fl(softmax(sorted x))))_j is within a factor 1 ± (γ_{V−1} + γ_{j−1} + 6u) of the exact C_j
+    in any summation order (exp within 1 ulp); 3·V·u + 1e-3 is a margin of more than 1.4 over that."""
+    return 3.0 * V * 2.0 ** -24 + 1e-3
+
+
+def _nucleus_decide(scores: torch.Tensor, S: torch.Tensor, up: torch.Tensor, top_p: float):
+    """(remove [B, V], unsure [B]) for the top-p warper on stock's vector, from this vector (exact on S, -inf
+    elsewhere) and ``up`` (>= stock's final score of every token outside S).
+
+    Stock removes token i iff C_i = mass of the tokens sorted at or below it <= 1 − top_p. With Z_S the exact mass
+    on S and R >= the mass outside S (both relative to the row's max on S), for i in S:
+    C_i >= (Σ_{j∈S, x_j<x_i} + e_i) / (Z_S + R) and C_i <= (Σ_{j∈S, x_j<=x_i} + R) / Z_S (ties in any order); every
+    token outside S has C <= (R + Σ_{j∈S, x_j<=ob}) / Z_S, ob = its largest bound. A row is sure when every
+    decision clears 1 − top_p by the relative slack σ."""
+    B, V = scores.shape
+    thr = 1.0 - top_p
+    sig = _nucleus_sigma(V)
+    x = scores.double()
+    remove = torch.zeros(B, V, dtype=torch.bool, device=scores.device)
+    bad = torch.zeros(B, dtype=torch.bool, device=scores.device)
+    for b in range(B):  # rows are few; each works on its (small) computed set only
+        fin = torch.isfinite(x[b])
+        idx = fin.nonzero(as_tuple=True)[0]
+        if idx.numel() == 0:
+            bad[b] = True
+            continue
+        v = x[b, idx]
+        m = v.max()
+        e = torch.exp(v - m)
+        zs = e.sum()
+        unc = ~S[b]
+        ub = up[b].double()[unc]
+        R = torch.exp(ub - m).sum() if ub.numel() else torch.zeros((), dtype=torch.float64)
+        if not bool(torch.isfinite(R)):
+            bad[b] = True
+            continue
+        sv, order = torch.sort(v)
+        cum = torch.cat([torch.zeros(1, dtype=torch.float64, device=v.device), torch.cumsum(e[order], 0)])
+        lt = cum[torch.searchsorted(sv, v, right=False)]
+        le = cum[torch.searchsorted(sv, v, right=True)]
+        lo = (lt + e) / (zs + R)
+        hi = (le + R) / zs
+        rm = hi < thr * (1 - sig)
+        keep = lo > thr * (1 + sig)
+        ok = bool((rm | keep).all())
+        if ub.numel():
+            ob = ub.max()
+            below = cum[torch.searchsorted(sv, ob.reshape(1), right=True)][0]
+            ok &= bool((R + below) / zs < thr * (1 - sig))
+        if ok:
+            remove[b, idx[rm]] = True
+        else:
+            bad[b] = True
+    return remove, bad
 
 
 # Relative slack of the min-p decision in float arithmetic (docs/certificates.md §3.3): the warper compares

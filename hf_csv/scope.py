@@ -140,7 +140,11 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
             at = next((i + 1 for i, p in enumerate(others) if p is sess.check_after), len(others))
             if sess.check_before is not None:  # threshold mode: right before the min-p warper
                 at = next((i for i, p in enumerate(others) if p is sess.check_before), at)
-            others = others[:at] + [verifier] + others[at:]
+            skip = 0
+            if sess.check_replaces is not None:  # nucleus mode: in the top-p warper's place (it calls it where needed)
+                at = next((i for i, p in enumerate(others) if p is sess.check_replaces), at)
+                skip = int(at < len(others) and others[at] is sess.check_replaces)
+            others = others[:at] + [verifier] + others[at + skip:]
         procs[:] = others
         sess.processors = procs
         return procs

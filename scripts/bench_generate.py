@@ -9,7 +9,10 @@
     python scripts/bench_generate.py --model DIR --load 1 --dtype bfloat16 --batch 4 --json out/b.json
 
 ``--preset {greedy,default-sample,qwen-chat,min-p}`` picks the decoding settings (sampling presets reseed
-before every call). ``--load N`` starts N busy CPU processes for the timed part (stock and csv alike; the first call is
+before every call). ``--preset whisper-longform`` (a Whisper ``--model``) times greedy long-form transcription of
+the speech clips joined into one > 60 s recording (``--audio`` to give another), with timestamps, two ways:
+sequential long-form ``generate`` and ``pipeline("automatic-speech-recognition", chunk_length_s=30)`` with
+``num_beams=1``; end to end (features, encoder and decoder), interleaved. ``--load N`` starts N busy CPU processes for the timed part (stock and csv alike; the first call is
 timed before them). ``--batch B`` left-pads B different prompts (Whisper: B copies of the clip).
 
 Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs interleaved
@@ -45,6 +48,7 @@ PRESETS = {
     "default-sample": dict(do_sample=True),  # transformers' defaults: top_k=50, T=1
     "qwen-chat": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
     "min-p": dict(do_sample=True, top_k=0, min_p=0.05, temperature=0.7),
+    "whisper-longform": dict(do_sample=False, num_beams=1, return_timestamps=True),
 }
 PROMPTS = HERE.parents[1] / "shared" / "models" / "prompts.jsonl"
 
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.preset == "whisper-longform":
+        return longform(args)
     before = machine_load()
     model, inputs, extra = load(args.model, args.audio, getattr(torch, args.dtype), args.batch)
     hf_csv.enable(model)
@@ -205,6 +211,106 @@ def main() -> None:
         fig.savefig(str(Path(args.json).with_suffix(".png")), dpi=100)
     except Exception as e:  # plotting is optional
         print("no plot:", e)
+
+
+def longform(args) -> None:
+    """``--preset whisper-longform``: sequential long-form generate and the chunked pipeline, stock vs csv."""
+    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor, pipeline
+
+    try:
+        from _audio import long_clip
+    except ImportError:
+        from scripts._audio import long_clip
+    before = machine_load()
+    dtype = getattr(torch, args.dtype)
+    proc = AutoProcessor.from_pretrained(args.model)
+    model = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(args.model, dtype=dtype).eval())
+    if args.audio:
+        from scipy.io import wavfile
+
+        sr, audio = wavfile.read(args.audio)
+        audio = audio.astype("float32") / (32768.0 if audio.dtype.kind == "i" else 1.0)
+    else:
+        audio, sr = long_clip(60.0)
+    seconds = len(audio) / sr
+    f = proc(audio, sampling_rate=sr, return_tensors="pt", truncation=False, padding="longest",
+             return_attention_mask=True)
+    lang = {"language": "en", "task": "transcribe"} if getattr(model.generation_config, "is_multilingual", False) else {}
+    gen = dict(input_features=f.input_features.to(dtype), attention_mask=f.attention_mask, **PRESETS[args.preset], **lang)
+    pipe = pipeline("automatic-speech-recognition", model=model, tokenizer=proc.tokenizer,
+                    feature_extractor=proc.feature_extractor, chunk_length_s=30, device="cpu", dtype=dtype)
+    cfg = hf_csv.CSVConfig()
+    # every generate call's stats (the pipeline calls generate once per chunk)
+    calls: list = []
+    enabled = model.generate
+
+    def recording(*a, **kw):
+        out = enabled(*a, **kw)
+        if "csv_config" in kw:
+            calls.append(model.csv_last_stats)
+        return out
+
+    model.generate = recording
+    pkw = {"num_beams": 1, **lang}
+    paths = {
+        "sequential": (lambda: model.generate(**gen), lambda: model.generate(**gen, csv_config=cfg)),
+        "pipeline": (lambda: pipe({"raw": audio, "sampling_rate": sr}, return_timestamps=True, generate_kwargs=pkw),
+                     lambda: pipe({"raw": audio, "sampling_rate": sr}, return_timestamps=True,
+                                  generate_kwargs={**pkw, "csv_config": cfg})),
+    }
+    res = {"model": os.path.basename(os.path.normpath(args.model)), "preset": args.preset, "audio_s": seconds,
+           "runs": args.runs, "threads": args.threads, "load": args.load, "dtype": args.dtype, "batch": 1,
+           "machine_before": before}
+    _, head = hf_csv.head.find_head(model)
+    for name, (stock, csv) in paths.items():
+        with torch.no_grad():
+            ref, t_first_stock = timed(stock)
+            calls.clear()
+            out, t_first = timed(csv)  # builds the screen on the first path
+            same = _same(ref, out)
+            ts, tc = [], []
+            with cpu_load(args.load):
+                for _ in range(args.runs):
+                    a, x = timed(stock)
+                    calls.clear()
+                    b, y = timed(csv)
+                    same &= _same(a, ref) and _same(b, ref)
+                    ts.append(x), tc.append(y)
+                hs, _, tot = head_time(head, stock)
+        rows = sum(c.get("rows", 0) for c in calls)
+        cert = sum(c.get("certified", 0) for c in calls)
+        tsx = {}
+        for c in calls:
+            for k, v in (c.get("timestamps") or {}).items():
+                tsx[k] = tsx.get(k, 0) + v
+        fr = hs / tot
+        limit = 1 / (1 - fr)
+        sp = statistics.median(ts) / statistics.median(tc)
+        res[name] = {"identical": bool(same), "speedup": sp, "times_stock_s": ts, "times_csv_s": tc,
+                     "head_fraction": fr, "limit": limit,
+                     "gain_fraction": (sp - 1) / (limit - 1) if limit > 1 else float("nan"),
+                     "generate_calls": len(calls), "rows": rows, "certified_rows": cert,
+                     "certified_fraction": cert / rows if rows else float("nan"),
+                     "full_head_calls": sum(c.get("full_head_calls", 0) for c in calls),
+                     "verify_reruns": sum(c.get("verify_reruns", 0) for c in calls),
+                     "reasons": sorted({r for c in calls for r in c.get("reasons", [])}), "timestamps": tsx,
+                     "first_csv_call_s": t_first, "first_stock_call_s": t_first_stock}
+    # the pipeline's default (5 beams) for reference: declined, and why
+    calls.clear()
+    pipe({"raw": audio[: sr * 5], "sampling_rate": sr}, generate_kwargs={**lang, "csv_config": cfg})
+    res["pipeline_default_beams"] = {"mode": calls[-1]["mode"], "reasons": calls[-1]["reasons"]} if calls else None
+    res["speedup"] = res["sequential"]["speedup"]
+    res["identical_tokens"] = res["sequential"]["identical"] and res["pipeline"]["identical"]
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2, default=float))
+    print(json.dumps(res, indent=2, default=float))
+
+
+def _same(a, b) -> bool:
+    """Equal outputs: tensors bitwise, pipeline dicts (text and timestamped chunks) by value."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    return a == b
 
 
 if __name__ == "__main__":

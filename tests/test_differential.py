@@ -140,7 +140,7 @@ def _case(i: int) -> dict:
     else:
         kw["do_sample"] = True
         for key, vals in (("temperature", [None, 0.6, 1.0, 1.7]), ("top_k", [None, 0, 1, 5, 40]),
-                          ("top_p", [None] * 6 + [0.9]), ("min_p", [None] * 5 + [0.05, 0.1, 0.3])):
+                          ("top_p", [None] * 5 + [0.5, 0.9, 0.95]), ("min_p", [None] * 5 + [0.05, 0.1, 0.3])):
             v = rng.choice(vals)
             if v is not None:
                 kw[key] = v
@@ -289,8 +289,8 @@ def _run(c: dict, n_sampling: int) -> dict:
                reruns=st["verify_reruns"])
     if c["kind"] != "sample" or st["mode"] == "full":
         ok, why = _same_outputs(a, b)  # declined: stock's head and sampler, the same random stream
-    elif st["mode"] in ("topk", "threshold"):
-        # stock's sampler on stock's (checked) top-K / min-p vector: the same draws
+    elif st["mode"] in ("topk", "threshold", "nucleus"):
+        # stock's sampler on stock's (checked) top-K / min-p / top-p vector: the same draws
         ok, why = _same_outputs(a, b)
     else:
         ok, why = _law_check(m, c, inputs, n_sampling)

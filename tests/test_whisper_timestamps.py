@@ -1,4 +1,4 @@
-"""Whisper with timestamps, greedy (docs/certificates.md §3.5): short-form, sequential long-form and the
+"""Whisper with timestamps, greedy (docs/certificates.md §3.4): short-form, sequential long-form and the
 chunked pipeline give stock's tokens, with the certified head on (almost) every row."""
 import sys
 from collections import Counter
