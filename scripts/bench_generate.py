@@ -8,7 +8,7 @@
     # under load (one busy process per extra core), in bf16, at batch 4:
     python scripts/bench_generate.py --model DIR --load 1 --dtype bfloat16 --batch 4 --json out/b.json
 
-``--preset {greedy,default-sample,qwen-chat,min-p}`` picks the decoding settings (sampling presets reseed
+``--preset {greedy,default-sample,qwen-chat,min-p,top-p}`` picks the decoding settings (sampling presets reseed
 before every call). ``--preset whisper-longform`` (a Whisper ``--model``) times greedy long-form transcription of
 the speech clips joined into one > 60 s recording (``--audio`` to give another), with timestamps, two ways:
 sequential long-form ``generate`` and ``pipeline("automatic-speech-recognition", chunk_length_s=30)`` with
@@ -48,6 +48,7 @@ PRESETS = {
     "default-sample": dict(do_sample=True),  # transformers' defaults: top_k=50, T=1
     "qwen-chat": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
     "min-p": dict(do_sample=True, top_k=0, min_p=0.05, temperature=0.7),
+    "top-p": dict(do_sample=True, top_k=0, top_p=0.9, temperature=0.7),  # nucleus without a top-k (vLLM-style)
     "whisper-longform": dict(do_sample=False, num_beams=1, return_timestamps=True),
 }
 PROMPTS = HERE.parents[1] / "shared" / "models" / "prompts.jsonl"
