@@ -164,12 +164,13 @@ def test_suppressing_the_top_token_forces_a_rerun(llama):
     ({"do_sample": True, "top_k": 20, "top_p": 0.8, "temperature": 0.7, "repetition_penalty": 1.05}, "topk", None),
     ({"do_sample": True, "top_k": 0}, "sample", None),
     ({"do_sample": True, "top_k": 0, "temperature": 0.7}, "sample", None),
-    ({"do_sample": True, "top_k": 0, "top_p": 0.9}, "full", "TopPLogitsWarper"),
+    ({"do_sample": True, "top_k": 0, "top_p": 0.9}, "nucleus", None),
     ({"do_sample": True, "top_k": 0, "min_p": 0.1}, "threshold", None),  # min-p alone: threshold certificate
     ({"do_sample": True, "top_k": 0, "min_p": 0.1, "temperature": 0.8, "repetition_penalty": 1.3}, "threshold", None),
     ({"do_sample": True, "top_k": 0, "min_p": 0.1, "top_p": 0.9}, "full", "TopPLogitsWarper"),
     ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2}, "sample", None),  # draw after the lowering processors
-    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2, "top_p": 0.9}, "full", "normalizing warper"),
+    ({"do_sample": True, "top_k": 0, "repetition_penalty": 1.2, "top_p": 0.9}, "nucleus", None),
+    ({"do_sample": True, "top_k": 0, "typical_p": 0.9}, "full", "normalizing warper"),
     ({"num_beams": 2}, "full", "log_softmax"),
     ({"output_logits": True, "return_dict_in_generate": True}, "full", "output_logits"),
     ({"repetition_penalty": 0.8}, "full", "RepetitionPenalty"),
@@ -186,9 +187,12 @@ def test_processor_matrix(llama, kw, mode, reason):
         assert st["reasons"] == []
 
 
-def test_epsilon_mode_for_top_p(llama):
-    llama.generate(**_ids(), max_new_tokens=2, do_sample=True, top_k=0, top_p=0.9, csv_config=CSVConfig(mode="epsilon"))
+def test_epsilon_mode_for_typical_and_exact_nucleus_for_top_p(llama):
+    llama.generate(**_ids(), max_new_tokens=2, do_sample=True, top_k=0, typical_p=0.9, csv_config=CSVConfig(mode="epsilon"))
     assert llama.csv_last_stats["mode"] == "epsilon"
+    # an exact certificate exists for top-p: mode="epsilon" allows approximation, it does not ask for it
+    llama.generate(**_ids(), max_new_tokens=2, do_sample=True, top_k=0, top_p=0.9, csv_config=CSVConfig(mode="epsilon"))
+    assert llama.csv_last_stats["mode"] == "nucleus"
 
 
 def test_classify_custom_processor():
