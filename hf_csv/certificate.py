@@ -320,7 +320,7 @@ class CertifiedHead:
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
-             always: int = 0) -> CertResult:
+             always: int = 0, with_upper: bool = False) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -332,15 +332,19 @@ class CertifiedHead:
         ``always``: the last ``always`` tokens are put in S on every row (computed exactly, outside the
         budget): Whisper's timestamp block, whose logsumexp its timestamp processor reads. More tokens in S
         leave the guarantee as it is.
+
+        ``with_upper``: also return ``upper`` [N, V], a bound on stock's fp32 logit of every token (read off S:
+        Whisper's avg-logprob interval, docs/certificates.md §3.6).
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
         if not 0 <= always < self.vocab_size:
             raise ValueError(f"always must be in [0, {self.vocab_size}), got {always}")
-        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always))
+        kw = {"with_upper": True} if with_upper else {}
+        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
-              always: int = 0) -> CertResult:
+              always: int = 0, with_upper: bool = False) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -366,7 +370,8 @@ class CertifiedHead:
                 # within stock's accumulation error: a kernel that is not column-invariant could order these
                 tol = 2 * self.stock_error(Hf) + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
                 stats.near_ties += int((gap <= tol).sum())
-        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound)
+        upper = U + self.stock_error(Hf)[:, None] if with_upper else None  # |stock − real| <= E
+        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper)
 
     # ------------------------------------------------------ threshold
     @torch.no_grad()

@@ -36,6 +36,7 @@ from .errors import CSVError
 from .head import CSVSession, find_head, forget_heads, model_out_dtype
 from .policy import classify_processor, decide_mode, whisper_log_prob_reason
 from .scope import certified, new_session
+from .whisper import threshold_of, whisper_decisions
 
 __all__ = ["enable", "disable", "install", "uninstall", "refresh", "decide_mode", "classify_processor",
            "csv_generate", "custom_generate"]
@@ -68,6 +69,15 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
     if reason and sess.force_full is None:
         sess.force_full = reason
+    if threshold_of(model, kwargs) is not None:
+        # Whisper's logprob_threshold keeps every step's scores for its fallback decision (certified, hf_csv.whisper);
+        # a call that also returns them to the caller would return sub-vocabulary rows: full head
+        asked = [k for k in ("return_dict_in_generate", "return_segments", "output_scores", "output_logits")
+                 if kwargs.get(k) or getattr(gc, k, False)]
+        if asked and sess.force_full is None:
+            sess.force_full = (f"Whisper's logprob_threshold with {asked}: the returned scores would be the "
+                               "certified sub-vocabulary rows, not stock's")
+        sess.scores_internal = not asked
     return sess
 
 
@@ -100,7 +110,8 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         out = call(*args, **kwargs)
         return _attach_stats(model, out, sess.summary(), config)
     sess = _make_session(model, config, kwargs)
-    with certified(model, sess), _verify_patch(sess, config) as spec, _assist_patch(model, sess, config):
+    with certified(model, sess), _verify_patch(sess, config) as spec, _assist_patch(model, sess, config), \
+            whisper_decisions(model, sess, threshold_of(model, kwargs)):
         out = call(*args, **kwargs)
     if spec is not None and spec.calls:
         sess.extra["speculative"] = spec.summary()

@@ -128,6 +128,12 @@ class CSVSession:
     spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
+    # Whisper's logprob_threshold (hf_csv.whisper): the scores generate keeps feed only the avg-logprob decision,
+    # which hf_csv certifies; lp_record: the processor records each greedy step's normalizer bounds in lp_steps
+    scores_internal: bool = False
+    lp_record: bool = False
+    lp_steps: list = field(default_factory=list)
+    exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
 
     def note(self, reason: str, what: str = "") -> None:
@@ -318,6 +324,9 @@ class CSVHead(nn.Module):
         sess = None if act is None else act.get(self._model_id)
         if sess is None:
             return self.inner(hidden)
+        if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched
+            sess.extra["processor_forwards"] = sess.extra.get("processor_forwards", 0) + 1
+            return self.inner(hidden)
         sess.head_calls += 1
         if sess.mode == "full" or hidden.numel() == 0 or (
                 sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
@@ -351,7 +360,10 @@ class CSVHead(nn.Module):
             t0 = time.perf_counter()
         mode = sess.mode
         if mode == "topk":
-            res = ch.topk(H, sess.k, out_dtype=sess.out_dtype, **({"always": sess.always} if sess.always else {}))
+            kw = {"always": sess.always} if sess.always else {}
+            if sess.lp_record:
+                kw["with_upper"] = True
+            res = ch.topk(H, sess.k, out_dtype=sess.out_dtype, **kw)
             out = res.logits
             if sess.fill_tail and res.est is not None:
                 out = _fill_tail(out, res.est, res.mask)

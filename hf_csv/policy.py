@@ -58,9 +58,10 @@ _KIND = {
 # Stock stopping criteria that never read ``scores`` (transformers 5.23): safe with any certificate.
 _SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
-# Whisper settings that read log-probabilities over the whole vocabulary (temperature fallback,
-# no-speech detection, token timestamps' scores). Timestamps alone are certified (``_timestamp_plan``).
-_WHISPER_LOGPROB_KEYS = ("logprob_threshold", "no_speech_threshold", "return_token_timestamps")
+# Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
+# are certified (``_timestamp_plan``), and so is the temperature-fallback decision (hf_csv.whisper).
+# logprob_threshold (and no_speech_threshold with it) are certified for greedy rounds (hf_csv.whisper).
+_WHISPER_LOGPROB_KEYS = ("return_token_timestamps",)
 
 
 def classify_processor(p: Any) -> str:
@@ -80,6 +81,10 @@ def classify_processor(p: Any) -> str:
         bias = getattr(p, "sequence_bias", None) or {}
         vals = bias.values() if isinstance(bias, dict) else [v for _, v in bias]
         return "lower" if all(float(v) <= 0 for v in vals) else "full"
+    if name == "WhisperNoSpeechDetection":
+        # it returns the scores unchanged; what it reads (its own forward's logits, or the first step's scores) is
+        # given to it as stock computes it (hf_csv.processors.FullHeadDuring)
+        return "order" if not getattr(p, "is_scores_logprobs", False) else "full"
     if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
         return "full"  # a finite filter value leaves the filtered tokens some mass
     return _KIND.get(name, "full")
@@ -121,7 +126,24 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
 
     Sets ``session.mode`` (``topk`` / ``beam`` / ``sample`` / ``epsilon`` / ``full``), ``k``,
     ``warps`` and ``verify``; every fallback to the full head logs its reason.
+
+    Whisper's ``logprob_threshold`` (the temperature-fallback decision reads the kept scores): greedy rounds keep
+    the certified top-1 and record per-step normalizer bounds (hf_csv.whisper); sampling rounds use the full head.
     """
+    session.lp_record, session.lp_steps = False, []
+    _decide(session, generation_config, processors)
+    if session.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
+            and session.mode != "full":
+        if session.mode == "topk" and session.k == 1 and not getattr(generation_config, "do_sample", False) \
+                and session.post is not None and session.post.identity:
+            session.lp_record, session.verify = True, True
+        else:
+            session.set_full(f"Whisper's logprob_threshold in a {session.mode!r} round (temperature fallback): the "
+                             "avg-logprob decision is certified for greedy rounds only")
+    return session
+
+
+def _decide(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
     gc = generation_config
     cfg = session.config
     session.reasons.clear()
@@ -141,7 +163,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         session.set_full("output_logits=True: the raw logits must be the full head's")
         return session
     if (getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False)
-            and cfg.scores != "subvocab" and not session.draft):
+            and cfg.scores != "subvocab" and not session.draft
+            and not (session.scores_internal and getattr(gc, "logprob_threshold", None) is not None)):
         session.set_full("output_scores=True: stock's scores need every logit (CSVConfig(scores='subvocab') returns "
                          "the certified sub-vocabulary scores instead, -inf elsewhere)")
         return session

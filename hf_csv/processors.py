@@ -77,6 +77,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             return scores
         last = sess.last
         if last is None:
+            if sess.lp_record:
+                _record_lp(sess, input_ids, None, None, 0, None)
             return scores  # the head call of this step used the full head: nothing to check
         if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
             raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
@@ -100,16 +102,21 @@ class CSVLogitsProcessor(LogitsProcessor):
             for proc in sess.processors or ():
                 if proc is self:
                     break
-                if classify_processor(proc) == "order":  # e.g. temperature: the same increasing map on all
+                if classify_processor(proc) == "order" and not getattr(proc, "csv_identity", False):  # e.g. temperature
                     ob = proc(input_ids, ob)
             ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
+            ts = None
             if sess.mode == "threshold":
                 bad = _min_p_unsure(scores.float(), ob, sess.min_p)
             elif sess.ts_proc is not None:
-                bad = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
+                bad, ts = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
             else:
                 kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
                 bad = ~(kth > ob)
+            if sess.lp_record:
+                out = self._rerun(input_ids, scores, sess, last, p, bad)
+                _record_lp(sess, input_ids, out, last, p, bad, ts)
+                return out
         else:  # beam, ε-certificate (mode="epsilon"): bound in log-prob space
             r = raw.float()
             ob = r.amax(1) - torch.logsumexp(r, 1) + math.log(sess.config.beam_epsilon / 2)
@@ -154,7 +161,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         for proc in sess.processors or ():
             if proc is self:
                 break
-            if classify_processor(proc) == "order":  # temperature; lowering processors only lower, bounds stay bounds
+            if classify_processor(proc) == "order" and not getattr(proc, "csv_identity", False):  # temperature
                 up = proc(input_ids, up)
         complete = S.all(1)
         remove, bad = _nucleus_decide(scores, S, up, float(warper.top_p))
@@ -197,7 +204,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         for proc in sess.processors or ():
             if proc is self:
                 break
-            new = proc(input_ids, new)
+            if not getattr(proc, "csv_identity", False):  # (a no-speech detector's forward: once is enough)
+                new = proc(input_ids, new)
         return new
 
 
@@ -249,7 +257,108 @@ def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor
     st["timestamp_decided"] += int((alive & ok & ts_won).sum())
     st["text_decided"] += int((alive & ok & ~ts_won).sum())
     st["rows_rerun"] += int((~ok).sum())
-    return ~ok
+    # for the avg-logprob record: the rule masks, and the rows whose text the logsumexp rule masks (in stock too)
+    return ~ok, (M, ts_won)
+
+
+class FullHeadDuring(LogitsProcessor):
+    """Wraps Whisper's no-speech detection so that it reads stock's logits: at the first step of a segment it
+    either runs the model itself (a decoder prompt longer than one token), which then uses the stock head, or reads
+    the scores of that step, which it is then given as stock computes them (the stock head on this step's hidden
+    states, then the processors before it). It returns the scores unchanged (``csv_identity``), so the
+    certificate's checks skip it."""
+
+    csv_kind = "order"
+    csv_identity = True
+
+    def __init__(self, inner: LogitsProcessor, session: CSVSession):
+        self.inner, self.session = inner, session
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        sess = self.session
+        inner = self.inner
+        if (int(getattr(inner, "start_of_trans_offset", 2)) <= 1 and sess.last is not None
+                and input_ids.shape[1] == getattr(inner, "begin_index", -1)):
+            inner(input_ids, self._stock_scores(input_ids, sess))  # reads that row, returns it unchanged
+            return scores
+        fed = sess.fed_total
+        sess.exact_depth += 1
+        try:
+            return inner(input_ids, scores)
+        finally:
+            sess.exact_depth -= 1
+            sess.fed_total = fed
+
+    def _stock_scores(self, input_ids: torch.Tensor, sess: CSVSession) -> torch.Tensor:
+        last = sess.last
+        B, P, d = last.H.shape
+        p = last.position(input_ids.shape[1])
+        raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
+        if sess.post is not None and not sess.post.identity:
+            raw = sess.post.apply(raw)
+        x = raw.float()
+        for proc in sess.processors or ():
+            if proc is self:
+                break
+            if not getattr(proc, "csv_identity", False):
+                x = proc(input_ids, x)
+        sess.extra["processor_stock_rows"] = sess.extra.get("processor_stock_rows", 0) + B
+        return x
+
+
+_U32 = 2.0 ** -24
+
+
+def _round_charge(t: torch.Tensor, d: torch.Tensor, z_hi: torch.Tensor) -> torch.Tensor:
+    """Per row, a bound (in units of the row's max term) on the rounding error of stock's float32 sum of the terms
+    exp(x_k − max) whose upper bounds are ``t`` (``d``: lower bounds on max − x_k), in *any* summation order
+    (docs/certificates.md §3.6). Each addition errs by at most min(u·Z, its smaller operand), which charges a term
+    t >= τ = u·Z at most 3τ and a smaller one t·(3 + log2(τ/t)); exp within 1 ulp and the rounded subtraction
+    x_k − max add u·(2t + max_{d' >= d} d'·e^{−d'})."""
+    tau = (_U32 * z_hi)[:, None]
+    small = t < tau
+    ratio = torch.where(small, tau / t.clamp(min=1e-300), torch.ones_like(t))
+    c = torch.where(small, t * (3.0 + torch.log2(ratio)), 3.0 * tau.expand_as(t))
+    g = torch.where(d >= 1.0, d * torch.exp(-d), torch.full_like(d, math.exp(-1.0)))
+    c = c + _U32 * (2.0 * t + g)
+    return torch.where(t > 0, c, torch.zeros_like(c)).sum(1)
+
+
+def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Tensor], last, p: int,
+               exact: Optional[torch.Tensor], ts=None) -> None:
+    """One greedy step of a Whisper round with ``logprob_threshold`` (read by hf_csv.whisper): per row, an upper
+    bound on the mass stock's kept score row has outside S (log R, absolute), a bound on its float32 summation
+    error (log C, absolute), the hidden states (to replay the stock head where the decision needs it) and the input
+    ids. Rows whose kept row is stock's own (full head, re-run) are marked exact."""
+    if out is None:  # the head call used the full head: the kept rows are stock's
+        sess.lp_steps.append({"exact_all": True, "ids": input_ids})
+        return
+    B = out.shape[0]
+    S = last.mask[:, p]
+    up = last.upper[:, p].double()
+    if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
+        up = up + up.abs() * torch.finfo(sess.out_dtype).eps
+    x = out.double()
+    fin = torch.isfinite(x)
+    m = torch.where(fin, x, torch.full_like(x, float("-inf"))).amax(1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    outside = ~S
+    if ts is not None:
+        M, text_masked = ts
+        outside = outside & ~M
+        outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
+    neg = torch.full_like(up, float("-inf"))
+    logR = torch.logsumexp(torch.where(outside, up, neg), 1)
+    t_s = torch.where(fin, torch.exp(torch.where(fin, x - m[:, None], neg)), torch.zeros_like(x))
+    t_o = torch.where(outside, torch.exp((up - m[:, None]).clamp(max=700.0)), torch.zeros_like(up))
+    z_hi = t_s.sum(1) + t_o.sum(1)
+    d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))
+    d_o = torch.where(outside, (m[:, None] - up).clamp(min=0.0), torch.zeros_like(up))
+    C = _round_charge(t_s, d_s, z_hi) + _round_charge(t_o, d_o, z_hi) + 64 * _U32 * z_hi
+    ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
+    ex |= S.all(1)
+    sess.lp_steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
+                          "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
 
 
 def _nucleus_sigma(V: int) -> float:

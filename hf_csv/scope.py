@@ -26,7 +26,7 @@ from .head import (CSVSession, active_session, find_head, get_certified_head, gu
                    swapped_head)
 from .policy import check_stopping_criteria, decide_mode
 from .posthead import post_head_of
-from .processors import CSVLogitsProcessor
+from .processors import CSVLogitsProcessor, FullHeadDuring
 
 __all__ = ["instance_override", "certified", "new_session"]
 
@@ -127,6 +127,10 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         mine = [] if sess.draft else [p for p in procs if isinstance(p, CSVLogitsProcessor)]
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
         decide_mode(sess, gc, others)
+        if sess.mode != "full":
+            # a processor that runs the model itself (Whisper's no-speech detection) gets the stock head for that call
+            others = [FullHeadDuring(p, sess) if getattr(p, "csv_own_forward", False) or
+                      type(p).__name__ == "WhisperNoSpeechDetection" else p for p in others]
         modes = getattr(sess.head, "modes", None)
         if modes is not None and sess.mode != "full" and sess.mode not in modes:
             sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
@@ -172,7 +176,7 @@ def _track_length(module: nn.Module, args: tuple, kwargs: dict):
     CSVLogitsProcessor needs when one call produces several positions (assisted verification).
     """
     sess = active_session(module)
-    if sess is None:
+    if sess is None or sess.exact_depth:
         return None
     ids = kwargs.get("decoder_input_ids")
     if ids is None:
@@ -193,7 +197,7 @@ def _track_length(module: nn.Module, args: tuple, kwargs: dict):
 def _check_post(module: nn.Module, args: tuple, output: Any):
     """Forward hook: the post-head guard on the model's returned logits (once per call)."""
     sess = active_session(module)
-    if sess is not None and not sess.post_checked and sess.last_out is not None:
+    if sess is not None and not sess.exact_depth and not sess.post_checked and sess.last_out is not None:
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
             logits = output[0]
