@@ -146,6 +146,13 @@ def _case(i: int) -> dict:
                 kw[key] = v
     if arch == "whisper" and rng.random() < 0.5:
         kw["return_timestamps"] = True
+    frng = random.Random(104729 * i + 3)  # its own stream: the other draws (and cases) stay as they were
+    if arch == "whisper" and kind == "greedy" and frng.random() < 0.35:
+        # Whisper's temperature fallback: the avg-logprob / no-speech decisions (docs/certificates.md §3.6)
+        kw.update(temperature=(0.0, 0.5, 1.0), logprob_threshold=frng.choice([-0.3, -1.0, -3.0]),
+                  compression_ratio_threshold=2.4)
+        if frng.random() < 0.5:
+            kw["no_speech_threshold"] = 0.6
     if rng.random() < 0.15:
         kw["repetition_penalty"] = rng.choice([1.3, 1.3, 0.8])
     if rng.random() < 0.12:
@@ -273,15 +280,13 @@ def _run(c: dict, n_sampling: int) -> dict:
     m = _model(c["arch"], c["dtype"], c["seed"])
     inputs = _inputs(c, m)
     res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"],
-           "timestamps": bool(c["kw"].get("return_timestamps"))}
-    if c["kind"] == "sample":
-        torch.manual_seed(c["id"])
-        a = _gen(m, c, inputs, False)
-        torch.manual_seed(c["id"])
-        b = _gen(m, c, inputs, True)
-    else:
-        a = _gen(m, c, inputs, False)
-        b = _gen(m, c, inputs, True)
+           "timestamps": bool(c["kw"].get("return_timestamps")),
+           "fallback": c["kw"].get("logprob_threshold") is not None}
+    # (the same random stream: sampling, and Whisper's fallback rounds)
+    torch.manual_seed(c["id"])
+    a = _gen(m, c, inputs, False)
+    torch.manual_seed(c["id"])
+    b = _gen(m, c, inputs, True)
     st = m.csv_last_stats
     certified = st["mode"] != "full" and st.get("certified", 0) > 0
     res.update(status="certified" if certified else "declined", mode=st["mode"], reasons=st["reasons"],
@@ -321,6 +326,8 @@ def test_differential_summary(request):
                "reruns": sum(r["reruns"] for r in RESULTS),
                "whisper_timestamps": {"cases": sum(r["timestamps"] for r in RESULTS),
                                       "certified": sum(r["timestamps"] and r["status"] == "certified" for r in RESULTS)},
+               "whisper_fallback": {"cases": sum(r["fallback"] for r in RESULTS),
+                                    "certified": sum(r["fallback"] and r["status"] == "certified" for r in RESULTS)},
                "decline_reasons": dict(Counter(reason.split(":")[0] for r in RESULTS if r["status"] == "declined"
                                                for reason in r["reasons"][:1])),
                "alpha_family": ALPHA, "draws": DRAWS}
