@@ -59,8 +59,7 @@ _KIND = {
 _SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
-# are certified (``_timestamp_plan``), and so is the temperature-fallback decision (hf_csv.whisper).
-# logprob_threshold (and no_speech_threshold with it) are certified for greedy rounds (hf_csv.whisper).
+# are certified (``_timestamp_plan``), and so is the temperature-fallback decision in greedy rounds (hf_csv.whisper).
 _WHISPER_LOGPROB_KEYS = ("return_token_timestamps",)
 
 
@@ -140,6 +139,14 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         else:
             session.set_full(f"Whisper's logprob_threshold in a {session.mode!r} round (temperature fallback): the "
                              "avg-logprob decision is certified for greedy rounds only")
+    if session.mode != "full" and any(type(p).__name__ == "WhisperNoSpeechDetection"
+                                      and int(getattr(p, "start_of_trans_offset", 2)) <= 1 for p in processors):
+        # the detector reads the first step's scores: FullHeadDuring gives it stock's row from the stashed step
+        if session.mode == "topk":
+            session.verify = True
+        else:
+            session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {session.mode!r} "
+                             "round: full head")
     return session
 
 

@@ -128,9 +128,9 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
         decide_mode(sess, gc, others)
         if sess.mode != "full":
-            # a processor that runs the model itself (Whisper's no-speech detection) gets the stock head for that call
-            others = [FullHeadDuring(p, sess) if getattr(p, "csv_own_forward", False) or
-                      type(p).__name__ == "WhisperNoSpeechDetection" else p for p in others]
+            # Whisper's no-speech detection reads stock's logits (its own forward on the stock head, or stock's row)
+            others = [FullHeadDuring(p, sess) if type(p).__name__ == "WhisperNoSpeechDetection" else p
+                      for p in others]
         modes = getattr(sess.head, "modes", None)
         if modes is not None and sess.mode != "full" and sess.mode not in modes:
             sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
