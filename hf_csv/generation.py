@@ -69,7 +69,8 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
     if reason and sess.force_full is None:
         sess.force_full = reason
-    if threshold_of(model, kwargs) is not None:
+    threshold = threshold_of(model, kwargs)
+    if threshold is not None:
         # Whisper's logprob_threshold keeps every step's scores for its fallback decision (certified, hf_csv.whisper);
         # a call that also returns them to the caller would return sub-vocabulary rows: full head
         asked = [k for k in ("return_dict_in_generate", "return_segments", "output_scores", "output_logits")
@@ -78,6 +79,7 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
             sess.force_full = (f"Whisper's logprob_threshold with {asked}: the returned scores would be the "
                                "certified sub-vocabulary rows, not stock's")
         sess.scores_internal = not asked
+        sess.extra["_lp_threshold"] = threshold
     return sess
 
 
@@ -111,7 +113,7 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         return _attach_stats(model, out, sess.summary(), config)
     sess = _make_session(model, config, kwargs)
     with certified(model, sess), _verify_patch(sess, config) as spec, _assist_patch(model, sess, config), \
-            whisper_decisions(model, sess, threshold_of(model, kwargs)):
+            whisper_decisions(model, sess):
         out = call(*args, **kwargs)
     if spec is not None and spec.calls:
         sess.extra["speculative"] = spec.summary()

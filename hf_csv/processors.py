@@ -293,17 +293,24 @@ class FullHeadDuring(LogitsProcessor):
         last = sess.last
         B, P, d = last.H.shape
         p = last.position(input_ids.shape[1])
-        raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
-        if sess.post is not None and not sess.post.identity:
-            raw = sess.post.apply(raw)
-        x = raw.float()
-        for proc in sess.processors or ():
-            if proc is self:
-                break
-            if not getattr(proc, "csv_identity", False):
-                x = proc(input_ids, x)
         sess.extra["processor_stock_rows"] = sess.extra.get("processor_stock_rows", 0) + B
-        return x
+        raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
+        return stock_processed(sess, raw, input_ids, stop=self)
+
+
+def stock_processed(sess: CSVSession, raw: torch.Tensor, input_ids: torch.Tensor,
+                    stop: Optional[LogitsProcessor] = None) -> torch.Tensor:
+    """Stock's processed scores from stock's head output ``raw``: the post-head map, then the call's processors in
+    order (up to ``stop``; hf_csv's own check and identity wrappers skipped)."""
+    if sess.post is not None and not sess.post.identity:
+        raw = sess.post.apply(raw)
+    x = raw.float()
+    for proc in sess.processors or ():
+        if proc is stop:
+            break
+        if not (isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False)):
+            x = proc(input_ids, x)
+    return x
 
 
 _U32 = 2.0 ** -24
@@ -349,7 +356,7 @@ def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Te
         outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
     neg = torch.full_like(up, float("-inf"))
     logR = torch.logsumexp(torch.where(outside, up, neg), 1)
-    t_s = torch.where(fin, torch.exp(torch.where(fin, x - m[:, None], neg)), torch.zeros_like(x))
+    t_s = torch.exp(torch.where(fin, x - m[:, None], neg))
     t_o = torch.where(outside, torch.exp((up - m[:, None]).clamp(max=700.0)), torch.zeros_like(up))
     z_hi = t_s.sum(1) + t_o.sum(1)
     d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))

@@ -26,11 +26,10 @@ from torch import nn
 
 from .errors import CSVError
 from .head import CSVSession, active_session
+from .processors import _U32, stock_processed
 from .scope import instance_override
 
 __all__ = ["threshold_of", "whisper_decisions", "avg_logprob_interval"]
-
-_U32 = 2.0 ** -24
 
 
 def threshold_of(model: nn.Module, kwargs: dict) -> Optional[float]:
@@ -90,15 +89,8 @@ def avg_logprob_interval(rows: list, tokens: torch.Tensor, steps: list, index: i
 def _replay(sess: CSVSession, st: dict, index: int) -> torch.Tensor:
     """Stock's kept score row of one step: the stock head on the step's hidden states (all rows, as stock ran it),
     then every processor of the call but hf_csv's own, on this row's input ids."""
-    from .processors import CSVLogitsProcessor
-
-    logits = sess.head.stock(st["H"])[index:index + 1].float()
-    ids = st["ids"][index:index + 1]
-    for proc in sess.processors or ():
-        if isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False):
-            continue
-        logits = proc(ids, logits)
-    return logits[0]
+    raw = sess.head.stock(st["H"])[index:index + 1]
+    return stock_processed(sess, raw, st["ids"][index:index + 1])[0]
 
 
 def _certified_avg(sess: CSVSession, orig, scores: Any, tokens: torch.Tensor, temperature: float):
@@ -146,12 +138,12 @@ def _certified_avg(sess: CSVSession, orig, scores: Any, tokens: torch.Tensor, te
 
 
 @contextlib.contextmanager
-def whisper_decisions(model: nn.Module, sess: CSVSession, threshold: Optional[float]):
-    """Scoped instance overrides of ``_need_fallback`` and ``_retrieve_avg_logprobs`` for one certified call."""
-    if not sess.scores_internal or threshold is None:
+def whisper_decisions(model: nn.Module, sess: CSVSession):
+    """Scoped instance overrides of ``_need_fallback`` and ``_retrieve_avg_logprobs`` for one certified call whose
+    ``logprob_threshold`` hf_csv certifies (``sess.scores_internal``, threshold in ``sess.extra``)."""
+    if not sess.scores_internal:
         yield
         return
-    sess.extra["_lp_threshold"] = threshold
 
     def need_fallback(orig):
         def _need_fallback(seek_sequence, seek_outputs, index, *args, **kwargs):
