@@ -146,6 +146,7 @@ class CSVSession:
         """Use the full head for the rest of this decoding call, and say why."""
         self.mode = "full"
         self.verify = False
+        self.lp_record = False  # the kept rows are stock's: Whisper's own avg-logprob applies (hf_csv.whisper)
         self.note(reason, "full LM head for this call: ")
 
     def summary(self) -> dict:

@@ -79,6 +79,25 @@ def test_decisions_and_tokens_identical_across_thresholds(spy, thr):
     assert seen > 0
 
 
+def test_declined_after_the_list_was_built_uses_stocks_own_decision(spy):
+    """A stopping criterion that may read the scores declines the call after the processors were chosen: the kept rows
+    are then stock's and so is the avg-logprob (found by the differential fuzzer)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Reader(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    m = tiny_ts_whisper(0, 0.6)
+    kw = dict(input_features=_feats(2, 0), max_new_tokens=12, return_timestamps=True, logprob_threshold=-1.0,
+              stopping_criteria=StoppingCriteriaList([Reader()]), **FALLBACK)
+    x, ax, dx = _run(m, spy, False, **kw)
+    y, ay, dy = _run(m, spy, True, **kw)
+    assert torch.equal(x, y) and dx == dy and ax == ay and ax
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and "whisper_thresholds" not in st, st  # no round was certified
+
+
 def test_returned_scores_keep_the_full_head():
     m = tiny_ts_whisper(0, 0.6)
     kw = dict(input_features=_feats(1, 0), max_new_tokens=8, logprob_threshold=-1.0, return_dict_in_generate=True,
