@@ -67,6 +67,10 @@ class CSVConfig:
             over V; greedy ``argmax`` of each row is still stock's token).
         screen_quant: storage of the screen's rows: ``"int8"`` (default; fbgemm fast path on CPU) or
             ``"fp8"`` (e4m3, per-row scaled; Triton on CUDA, weight-only reference on CPU).
+        compile_capacity: inside a compiled forward (``cache_implementation="static"`` with transformers'
+            auto-compile), the static candidate capacity C of the certified head: a row whose certified set
+            has more than C tokens takes the full head there (decided on the device, no graph break).
+            Larger C: more rows certified, more work per certified row (docs/certificates.md §3.9).
     """
 
     mode: str = "auto"
@@ -84,6 +88,7 @@ class CSVConfig:
     vocab_parallel: Optional[str] = None
     screen_quant: str = "int8"
     scores: str = "stock"
+    compile_capacity: int = 64
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -126,6 +131,9 @@ class CSVConfig:
             raise ValueError(f"CSVConfig.screen_quant must be 'int8' or 'fp8', got {self.screen_quant!r}")
         if self.scores not in ("stock", "subvocab"):
             raise ValueError(f"CSVConfig.scores must be 'stock' or 'subvocab', got {self.scores!r}")
+        c = self.compile_capacity
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"CSVConfig.compile_capacity must be an int >= 1, got {c!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
 

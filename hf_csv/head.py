@@ -43,7 +43,7 @@ __all__ = ["CSVSession", "CSVHead", "swapped_head", "get_certified_head", "find_
 # main model can both be certified inside one call.
 _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv_active", default=None)
 _LOCK = threading.RLock()
-_SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount]
+_SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 # spec mode: S holds all but about this fraction of a row's mass (upper bound), so the verify's interval for
 # the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only: 1e-2 sent flat
@@ -301,6 +301,8 @@ class CSVHead(nn.Module):
         super().__init__()
         self.inner = inner
         self._model_id = id(model)
+        # the head traced into a compiled forward (hf_csv.scope.compiled_decode): a StaticTopK, or None for stock's
+        self.static_plan = None
 
     # keep attribute access that code may do on the head working (weight/bias/in_features...)
     @property
@@ -321,6 +323,11 @@ class CSVHead(nn.Module):
         return self.inner(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # traced into a compiled forward: no per-call Python state can be read here (a graph replays
+            # without it); the plan set for this model's compiled decode, or stock's head
+            plan = self.static_plan
+            return self.inner(hidden) if plan is None else plan(hidden)
         act = _ACTIVE.get()
         sess = None if act is None else act.get(self._model_id)
         if sess is None:
@@ -486,8 +493,14 @@ def swapped_head(model: nn.Module, session: CSVSession) -> Iterator[CSVSession]:
     with _LOCK:
         entry = _SWAPS.get(key)
         if entry is None:
-            wrapper = CSVHead(inner, model)
-            entry = [name, inner, wrapper, 0]
+            # one wrapper per model, reused by later calls: a compiled forward guards on the head module's
+            # identity, so a fresh wrapper per call would recompile every call
+            wrapper = model.__dict__.get("_hf_csv_head")
+            if not (isinstance(wrapper, CSVHead) and wrapper.inner is inner and wrapper._model_id == key):
+                wrapper = CSVHead(inner, model)
+                model.__dict__["_hf_csv_head"] = wrapper  # (not a registered submodule: state_dict is unchanged)
+            wrapper.static_plan = None
+            entry = [name, inner, wrapper, 0, False]
             _SWAPS[key] = entry
             setattr(model, name, wrapper)
         entry[3] += 1
@@ -501,8 +514,26 @@ def swapped_head(model: nn.Module, session: CSVSession) -> Iterator[CSVSession]:
         with _LOCK:
             entry[3] -= 1
             if entry[3] == 0:
+                entry[2].static_plan = None
                 setattr(model, entry[0], entry[1])
                 del _SWAPS[key]
+
+
+def set_static_plan(model: nn.Module, plan: Any, own: bool) -> bool:
+    """Make ``plan`` (a :class:`hf_csv.static.StaticTopK`, or None: stock's head) what a compiled forward of
+    ``model`` traces and runs as its head. A graph reads no per-call state, so a plan is installed only while
+    the calling session (``own``) is the only generate call active on the model; any other compiled caller
+    (a second session, or a stock call while the head is swapped) sets stock's head for every caller until the
+    last session exits. Returns whether ``plan`` was installed."""
+    with _LOCK:
+        entry = _SWAPS.get(id(model))
+        if entry is None:
+            return False
+        if not own or entry[3] > 1:
+            entry[4] = True
+        ok = plan is not None and not entry[4]
+        entry[2].static_plan = plan if ok else None
+        return ok
 
 
 def model_out_dtype(model: nn.Module, head: nn.Linear) -> torch.dtype:

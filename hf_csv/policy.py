@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import torch
+
 from .head import CSVSession
+from .static import StaticTopK
 
 __all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
-           "whisper_log_prob_reason"]
+           "whisper_log_prob_reason", "decide_compiled"]
 
 # How each stock processor relates to the certificate (docs/processors.md has the table).
 #   order: the same increasing map on every token (commutes with any certificate)
@@ -460,3 +463,55 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     session.mode, session.k, session.verify = "topk", k, lower
     return session
+
+
+# lowering processors a compiled step can take without the per-step check: a fixed set to -inf at every step
+# (folded into the static head's certificate), and one that fires only at the first generated step (the eager
+# prefill; CSVLogitsProcessor checks that it never fires on a compiled step)
+_STATIC_LOWER = {"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor"}
+
+
+def decide_compiled(session: CSVSession) -> Any:
+    """The plan of a call whose decode steps transformers runs through a compiled forward (static cache).
+
+    Inside a compiled graph no per-step Python runs: no stash for :class:`CSVLogitsProcessor`'s check, no
+    re-run. So only greedy calls whose check is not needed there get a static certified head
+    (:class:`hf_csv.static.StaticTopK`, docs/certificates.md §3.9): no lowering processor other than Whisper's
+    suppress lists, an identity post-head map, a screen head without a bias. Every other call uses the full head
+    (in the graph and out of it), with the reason logged. Returns the plan, or ``None`` after ``set_full``.
+    """
+    if session.mode == "full":
+        return None
+    why = None
+    ch = session.head
+    rows = getattr(getattr(ch, "provider", None), "rows", None)
+    procs = [p for p in session.processors or () if getattr(p, "csv_kind", None) != "csv"]
+    lowering = sorted({type(p).__name__ for p in procs if classify_processor(p) == "lower"} - _STATIC_LOWER)
+    if session.mode != "topk" or session.k != 1 or session.always or session.lp_record:
+        why = f"mode {session.mode!r} (k={session.k}) with its per-step check"
+    elif lowering:
+        why = f"the lowering processors {lowering} with their per-step check"
+    elif not session.post.identity:
+        why = f"the post-head transform {session.post.describe()} with its per-step check"
+    elif session.assisted or session.draft:
+        why = "assisted generation"
+    elif rows is None or getattr(rows, "q", None) is None or rows.q.dtype != torch.int8:
+        why = "the compiled head needs the int8 screen (provider='screen', screen_quant='int8')"
+    elif getattr(ch, "bias", None) is not None:
+        why = "a head with a bias"
+    if why is not None:
+        session.set_full(f"torch.compile (static cache): {why} is certified only in eager decoding")
+        return None
+    sup = sorted({int(t) for p in procs if type(p).__name__ == "SuppressTokensLogitsProcessor"
+                  for t in p.suppress_tokens.reshape(-1).tolist() if 0 <= int(t) < ch.vocab_size})
+    C = min(session.config.compile_capacity, ch.vocab_size - 1 - len(sup))
+    if C < 1:
+        session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
+        return None
+    plans = ch.__dict__.setdefault("_static_plans", {})
+    key = (C, tuple(sup))
+    plan = plans.get(key)
+    if plan is None:  # one per head, capacity and suppressed set: a reused plan object keeps dynamo's guards
+        plan = plans[key] = StaticTopK(ch.weight, rows, k=1, capacity=C,
+                                       suppress=torch.tensor(sup, dtype=torch.long) if sup else None)
+    return plan

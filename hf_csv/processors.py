@@ -65,6 +65,22 @@ class CSVLogitsProcessor(LogitsProcessor):
     def session(self) -> Optional[CSVSession]:
         return _BOUND.get().get(id(self))
 
+    @staticmethod
+    def _compiled_step(sess: CSVSession, input_ids: torch.Tensor) -> bool:
+        """Whether this step's row came from the compiled graph (no eager head call since the last step), whose
+        static head certified it with Whisper's fixed suppress list folded in (docs/certificates.md §3.9): nothing
+        to check, no stash to read. A processor that lowers only at the first generated step must not fire here."""
+        calls = sess.head_calls
+        compiled = calls == sess.extra.get("_calls_seen")
+        sess.extra["_calls_seen"] = calls
+        if compiled:
+            for p in sess.processors or ():
+                if type(p).__name__ == "SuppressTokensAtBeginLogitsProcessor" and input_ids.shape[-1] == p.begin_index:
+                    raise CSVError("hf_csv: a compiled decode step reached SuppressTokensAtBeginLogitsProcessor's "
+                                   "begin index, which the certified compiled head does not cover. Please report "
+                                   "this; generate without csv_config meanwhile.")
+        return compiled
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
@@ -73,6 +89,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             # this processor took the top-p warper's place, and this step's row is stock's (the call or the head
             # call went to the full head, e.g. a stopping criterion declined it after the list was built)
             return sess.top_p_proc(input_ids, scores)
+        if sess is not None and "_static_start" in sess.extra and self._compiled_step(sess, input_ids):
+            return scores
         if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "threshold", "sample", "nucleus"):
             return scores
         last = sess.last

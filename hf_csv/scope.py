@@ -8,6 +8,9 @@
   overrides (mode decision) and one pair of forward hooks per model that act on the session of the
   calling context: the pre-hook records how many tokens the forward consumes (per-position
   processor checks in assisted decoding), the post-hook runs the post-head guard.
+* the ``_valid_auto_compile_criteria`` override: when transformers compiles the decode forward (static
+  cache), the head traced into that graph is the static certified head or stock's
+  (:func:`hf_csv.policy.decide_compiled`, :func:`hf_csv.head.set_static_plan`); the hooks do nothing there.
 * :func:`new_session` — a session for a model and config (head from the cache, dtype, post map).
 
 Per-call state lives in the :class:`~hf_csv.head.CSVSession` of the call, never on shared objects.
@@ -23,8 +26,8 @@ from torch import nn
 
 from .config import CSVConfig
 from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
-                   swapped_head)
-from .policy import check_stopping_criteria, decide_mode
+                   set_static_plan, swapped_head)
+from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
 from .processors import CSVLogitsProcessor, FullHeadDuring
 
@@ -104,10 +107,12 @@ def certified(model: nn.Module, sess: CSVSession):
     with _hooks(model), \
             instance_override(model, "_get_logits_processor", lambda orig: _patched_get_logits_processor(model, orig)), \
             instance_override(model, "_get_stopping_criteria", lambda orig: _patched_get_stopping_criteria(model, orig)), \
+            instance_override(model, "_valid_auto_compile_criteria", lambda orig: _patched_compile_criteria(model, orig)), \
             swapped_head(model, sess):
         try:
             yield sess
         finally:
+            _compiled_stats(sess)
             sess.last = None  # drop the stashed tensors with the call
             sess.last_out = None
 
@@ -156,6 +161,43 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
     return _get_logits_processor
 
 
+def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
+    """Instance-level ``_valid_auto_compile_criteria``: stock's answer; when it compiles, the head that the
+    compiled decode forward traces (docs/certificates.md §3.9). Called by every decoding loop before its prefill."""
+
+    def _valid_auto_compile_criteria(*args: Any, **kwargs: Any) -> bool:
+        res = orig(*args, **kwargs)
+        if res:
+            sess = active_session(model)
+            plan = None if sess is None else decide_compiled(sess)
+            installed = set_static_plan(model, plan, own=sess is not None)
+            if sess is not None and plan is not None and not installed:
+                sess.set_full("torch.compile (static cache) while another generate call is active on this model: "
+                              "a compiled graph cannot tell the calls apart")
+            if sess is not None and installed:
+                sess.extra.setdefault("_static_start", (plan, plan.counters()))
+        return res
+
+    return _valid_auto_compile_criteria
+
+
+def _compiled_stats(sess: CSVSession) -> None:
+    """The compiled head's rows of this call (its counters' change) into the session's stats."""
+    got = sess.extra.pop("_static_start", None)
+    if got is None:
+        return
+    plan, (r0, c0, s0) = got
+    r1, c1, s1 = plan.counters()
+    rows, cert = r1 - r0, c1 - c0
+    sess.extra["compiled_head"] = {"rows": rows, "certified": cert, "capacity": plan.capacity,
+                                   "mean_subvocab": (s1 - s0) / cert if cert else None}
+    st = sess.stats
+    st.rows += rows
+    st.certified += cert
+    st.fallback += rows - cert
+    st.subvocab_sum += s1 - s0
+
+
 def _patched_get_stopping_criteria(model: nn.Module, orig: Callable) -> Callable:
     """Instance-level ``_get_stopping_criteria``: stock list; a criterion that may read scores declines."""
 
@@ -175,6 +217,8 @@ def _track_length(module: nn.Module, args: tuple, kwargs: dict):
     The head call then knows the token index of each of its positions (StepStash.position), which
     CSVLogitsProcessor needs when one call produces several positions (assisted verification).
     """
+    if torch.compiler.is_compiling():  # traced into a compiled forward: the static head keeps no stash
+        return None
     sess = active_session(module)
     if sess is None or sess.exact_depth:
         return None
@@ -196,6 +240,8 @@ def _track_length(module: nn.Module, args: tuple, kwargs: dict):
 
 def _check_post(module: nn.Module, args: tuple, output: Any):
     """Forward hook: the post-head guard on the model's returned logits (once per call)."""
+    if torch.compiler.is_compiling():  # (the eager prefill of the same call runs the guard)
+        return None
     sess = active_session(module)
     if sess is not None and not sess.exact_depth and not sess.post_checked and sess.last_out is not None:
         logits = getattr(output, "logits", None)

@@ -1,0 +1,144 @@
+"""A certified top-k head with static shapes, for ``torch.compile(fullgraph=True)`` and CUDA graphs.
+
+:class:`StaticTopK` is the exact top-k certificate of docs/certificates.md §2.1 written without a
+data-dependent shape: a fixed candidate capacity ``C`` instead of ``nonzero``, and the fallback to the
+full head decided on the device by ``torch.cond``. Traced into the model's compiled forward it adds no graph
+break, and its guards depend only on the plan object (not on the prompt or the cache length), so shorter
+generations do not recompile. Proof: docs/certificates.md §3.9.
+
+Guarantee: for every row, the returned logits equal stock's ``F.linear(h, W)`` (in the weight dtype) on a
+set S' that holds stock's top-k, ties included, and are -inf elsewhere; or the whole row is stock's (full
+head), when S has more than ``C`` tokens or ``h`` is not finite. Limits: no bias (the eager certificate
+handles biased heads); the values on S' come from the same GEMM over all rows of the call and the union of
+the candidate columns, so they equal stock's where the kernel is invariant to the number of output columns,
+as §2.0 states for the eager head. The screen here is the weight-only int8 reference of §1.1 (one
+``_weight_int8pack_mm`` when torch has it): the same bound, a different kernel.
+
+This module does not import transformers (core, below the integration in :mod:`hf_csv.scope`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
+
+from .certificate import _cut, _down
+
+__all__ = ["StaticTopK"]
+
+
+def _has_int8pack(device: torch.device) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` runs on ``device`` for fp32 activations (CPU in torch >= 2.3)."""
+    try:
+        x = torch.ones(1, 8, device=device)
+        q = torch.ones(2, 8, dtype=torch.int8, device=device)
+        s = torch.ones(2, device=device)
+        return bool(torch._weight_int8pack_mm(x, q, s).eq(8).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+class StaticTopK:
+    """Exact top-``k`` head with candidate capacity ``capacity`` (static shapes; see the module docstring).
+
+    Args:
+        weight: the head weight [V, d] (the stock op runs on it; never copied).
+        rows: the screen's :class:`Int8Rows` of ``weight`` (int8, per-row scale and error terms).
+        k: how many top tokens are certified (1: greedy).
+        capacity: C >= k, the most tokens a certified row may hold.
+        suppress: token ids that a later processor sets to -inf at every step (Whisper's ``suppress_tokens``):
+            the certificate is then about the top-k of the other tokens (docs/certificates.md §3.9).
+
+    Call it on hidden states [..., d] in the weight dtype; it returns [..., V] logits in that dtype. Counters
+    (``rows_seen``, ``rows_certified``, ``subvocab_sum``: int64 tensors updated in place, also inside a compiled
+    graph) count what it did.
+    """
+
+    def __init__(self, weight: torch.Tensor, rows: Int8Rows, k: int = 1, capacity: int = 64,
+                 suppress: Optional[torch.Tensor] = None):
+        V, d = weight.shape
+        if rows.q.dtype != torch.int8 or tuple(rows.q.shape) != (V, d):
+            raise ValueError(f"StaticTopK needs int8 screen rows of shape {(V, d)}")
+        if not 1 <= k <= capacity < V:
+            raise ValueError(f"need 1 <= k <= capacity < V, got k={k}, capacity={capacity}, V={V}")
+        self.weight, self.k, self.capacity, self.vocab_size = weight.detach(), int(k), int(capacity), V
+        self.q, self.scale = rows.q, rows.scale
+        self.err_l2, self.l1 = rows.err_l2, rows.l1
+        self.abs_l1 = rows.abs_l1 * (1 + 1e-6)
+        self.l1_max = float(self.abs_l1.max()) * (1 + 1e-6)
+        self.gam = gamma(d + 2)
+        self.u4 = 1 + 4 * unit_roundoff()
+        self.int8pack = _has_int8pack(weight.device)
+        self.deq: Optional[torch.Tensor] = None if self.int8pack else rows.dequantize()
+        self.suppress = None
+        if suppress is not None and suppress.numel():
+            self.suppress = torch.zeros(V, dtype=torch.bool, device=weight.device)
+            ids = suppress.to(weight.device).long()
+            self.suppress[ids[(ids >= 0) & (ids < V)]] = True  # (stock's isin ignores ids outside the vocabulary)
+            if int((~self.suppress).sum()) < k:
+                raise ValueError("fewer than k tokens are left outside the suppressed set")
+        z = torch.zeros((), dtype=torch.int64, device=weight.device)
+        self.rows_seen, self.rows_certified, self.subvocab_sum = z.clone(), z.clone(), z.clone()
+
+    def counters(self) -> tuple[int, int, int]:
+        return int(self.rows_seen), int(self.rows_certified), int(self.subvocab_sum)
+
+    def _screen(self, Hf: torch.Tensor) -> torch.Tensor:
+        """Upper bounds U >= the real logit for every token (§1.1's weight-only bound)."""
+        if self.int8pack:
+            # Σ_j q_ij h_j accumulated in fp32, then one product with s_i: within γ_{d+1}·||Ŵ_i||_1·||h||_∞ of
+            # <Ŵ_i, h>, inside the γ_{d+2} term below
+            est = torch._weight_int8pack_mm(Hf, self.q, self.scale)
+        else:
+            est = Hf @ self.deq.T
+        hn2 = Hf.norm(dim=1, keepdim=True) * self.u4
+        hinf = Hf.abs().amax(dim=1, keepdim=True)
+        return est, est + (self.err_l2 * hn2 + self.l1 * (self.gam * hinf))
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        lead, d = hidden.shape[:-1], hidden.shape[-1]
+        H = hidden.reshape(-1, d)
+        if H.dtype != self.weight.dtype:
+            H = H.to(self.weight.dtype)
+        Hf = H.float()
+        N = Hf.shape[0]
+        est, U = self._screen(Hf)
+        fin = torch.isfinite(Hf).all(1) & torch.isfinite(U).all(1)
+        if self.suppress is not None:  # tokens every step sets to -inf: neither seeds nor competitors
+            est = est.masked_fill(self.suppress, float("-inf"))
+            U = U.masked_fill(self.suppress, float("-inf"))
+        hinf = Hf.abs().amax(1)
+        E = (self.gam * self.l1_max * hinf) * (1 + 1e-6)  # stock's accumulation error, any order (§2.0)
+        seeds = est.topk(self.k, dim=1).indices  # [N, k]
+        val = (self.weight[seeds].float() * Hf[:, None, :]).sum(-1)  # fp32 recompute, any order
+        err = self.gam * self.abs_l1[seeds] * hinf[:, None]
+        lo = _down(_down(val - err, 2) - E[:, None], 2).amin(1)  # <= stock's k-th largest accumulator
+        t, _ = _cut(lo, E, self.weight.dtype)
+        count = (U >= t[:, None]).sum(1)
+        ok = (count <= self.capacity) & fin & torch.isfinite(t)
+        all_ok = ok.all()
+        self.rows_seen.add_(N)
+        self.rows_certified.add_(N * all_ok.long())
+        self.subvocab_sum.add_(count.sum() * all_ok.long())
+        W, C, V = self.weight, self.capacity, self.vocab_size
+
+        def certified(H: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+            # S = {U >= t} has at most C tokens, so it lies within the C largest U (an upper set); their values
+            # come from stock's op on all rows and the union of the candidate columns
+            cand = U.topk(C, dim=1).indices  # [N, C]
+            vals = F.linear(H, W[cand.reshape(-1)]).view(N, N, C)
+            own = torch.diagonal(vals, dim1=0, dim2=1).transpose(0, 1)  # row r's own candidates: [N, C]
+            out = torch.full((N, V), float("-inf"), dtype=H.dtype, device=H.device)
+            return out.scatter(1, cand, own)
+
+        def full(H: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+            return F.linear(H, W)
+
+        if torch.compiler.is_compiling():
+            out = torch.cond(all_ok, certified, full, (H, U))
+        else:
+            out = certified(H, U) if bool(all_ok) else full(H, U)
+        return out.view(*lead, V)

@@ -1,0 +1,214 @@
+"""torch.compile with a static cache (docs/certificates.md §3.9): transformers compiles the decode forward; hf_csv's
+static certified head is traced into it with no graph break, does not recompile for shorter generations, and
+gives stock compiled generate's tokens. Calls it cannot certify inside a graph take stock's head, with a reason."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+from transformers import CompileConfig
+
+import hf_csv
+from hf_csv import CSVConfig
+from hf_csv.certificate import CertifiedHead
+from hf_csv.static import StaticTopK
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_differential import _build  # noqa: E402
+
+V = 512
+
+
+def _compile_kw(**kw) -> dict:
+    cc = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    cc._compile_all_devices = True  # transformers compiles on accelerators only, unless told (its own tests do this)
+    return dict(cache_implementation="static", compile_config=cc, do_sample=False, num_beams=1, **kw)
+
+
+def _tiny(arch: str, seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    elif arch == "qwen2":
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
+    elif arch == "gemma3":
+        # full attention on every layer: with a sliding layer, stock compiled generate itself hits the recompile limit
+        # in transformers 5.23 (its sliding static cache guards on the length), so there is nothing to compare with
+        m = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=16,
+                                                     layer_types=["full_attention"] * 2))
+    else:
+        m = _build("whisper", seed)  # (its vocabulary size is drawn: 97, 256 or 512)
+    m = m.eval().to(dtype)
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(12.0)  # spread the logits so that the certificate prunes
+    m.generation_config.pad_token_id = 0
+    return hf_csv.enable(m)
+
+
+def _inputs(m, batch: int = 2, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    if m.config.is_encoder_decoder:
+        return dict(input_features=torch.randn(batch, 80, 3000, generator=g).to(m.dtype))
+    ids = torch.randint(3, m.config.vocab_size, (batch, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding on the first row
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _gen(m, x, csv: bool, **kw):
+    kw = _compile_kw(**kw)
+    out = m.generate(**x, csv_config=CSVConfig(), **kw) if csv else m.generate(**x, **kw)
+    return out, (m.csv_last_stats if csv else None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "whisper"])
+def test_compiled_greedy_is_stock_compiled(arch):
+    torch._dynamo.reset()
+    m = _tiny(arch)
+    x = _inputs(m)
+    ref, _ = _gen(m, x, False, max_new_tokens=10)
+    got, st = _gen(m, x, True, max_new_tokens=10)
+    assert torch.equal(ref, got)
+    c = st["compiled_head"]
+    assert c["rows"] > 0 and c["certified"] > 0, st
+    assert st["mode"] == "topk" and not st["reasons"], st
+    # a shorter generation and a second call reuse the graph: no recompilation
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got2, st2 = _gen(m, x, True, max_new_tokens=5)
+        ref2, _ = _gen(m, x, False, max_new_tokens=5)
+    assert torch.equal(ref2, got2)
+    assert st2["compiled_head"]["rows"] > 0
+
+
+def test_no_graph_break():
+    """The static head traces into one graph (fullgraph=True would raise otherwise; counted here too)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = _tiny("llama", seed=3)
+    _gen(m, _inputs(m), True, max_new_tokens=4)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert m.csv_last_stats["compiled_head"]["certified"] > 0
+
+
+def test_compiled_call_that_needs_a_check_uses_the_stock_head():
+    """A lowering processor needs the per-step check, which cannot run inside a graph: stock's head there, the
+    reason logged, the tokens stock compiled's."""
+    torch._dynamo.reset()
+    m = _tiny("llama", seed=4)
+    x = _inputs(m)
+    ref, _ = _gen(m, x, False, max_new_tokens=8, repetition_penalty=1.3)
+    got, st = _gen(m, x, True, max_new_tokens=8, repetition_penalty=1.3)
+    assert torch.equal(ref, got)
+    assert st["mode"] == "full" and any("torch.compile" in r for r in st["reasons"]), st
+    assert "compiled_head" not in st
+
+
+def test_compiled_sampling_declined_same_tokens():
+    torch._dynamo.reset()
+    m = _tiny("llama", seed=5)
+    x = _inputs(m)
+    kw = dict(max_new_tokens=6, top_k=20, temperature=0.8)
+    torch.manual_seed(0)
+    ref = m.generate(**x, **{**_compile_kw(**kw), "do_sample": True})
+    torch.manual_seed(0)
+    got = m.generate(**x, **{**_compile_kw(**kw), "do_sample": True}, csv_config=CSVConfig())
+    assert torch.equal(ref, got)
+    assert m.csv_last_stats["mode"] == "full"
+
+
+# ----------------------------------------------------------------------------------- the static head itself
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_static_topk_against_stock(seed, dtype):
+    """Eager: argmax equals stock's F.linear argmax on every row; values on the returned set equal stock's; a row
+    whose certified set exceeds the capacity gives stock's whole row."""
+    g = torch.Generator().manual_seed(seed)
+    W = (torch.randn(V, 48, generator=g) * (2.0 + seed)).to(dtype)
+    ch = CertifiedHead(W)
+    H = torch.randn(5, 48, generator=g).to(dtype)
+    H[2] *= 0.01  # a flat row: its certified set is large
+    stock = F.linear(H, W)
+    for C in (8, 64, V - 1):
+        plan = StaticTopK(W, ch.provider.rows, k=1, capacity=C)
+        rows0 = plan.counters()
+        out = plan(H)
+        assert out.dtype == dtype and out.shape == stock.shape
+        fin = torch.isfinite(out)
+        # stock's op on other columns: equal up to the kernel's column-count dependence (§2.0; one ulp here)
+        torch.testing.assert_close(out[fin], stock[fin], rtol=1e-5 if dtype == torch.float32 else 0, atol=0)
+        top2 = stock.float().topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs()  # not a near-tie at stock's precision
+        assert torch.equal(out.float().argmax(1)[clear], stock.float().argmax(1)[clear])
+        assert fin.sum(1).min() >= 1
+        r, c, _ = plan.counters()
+        assert r - rows0[0] == 5 and c - rows0[1] in (0, 5)
+        if c - rows0[1] == 0:  # one row over the capacity: the whole call is stock's
+            assert torch.equal(out, stock)
+
+
+def test_static_topk_nonfinite_row_is_stock():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(V, 32, generator=g) * 5
+    plan = StaticTopK(W, CertifiedHead(W).provider.rows, k=1, capacity=64)
+    H = torch.randn(3, 32, generator=g)
+    H[1, 4] = float("nan")
+    out, ref = plan(H), F.linear(H, W)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))  # the whole call took stock's head
+    assert torch.equal(out[~torch.isnan(ref)], ref[~torch.isnan(ref)])
+    assert plan.counters()[1] == 0
+
+
+def test_static_topk_rejects_bad_arguments():
+    W = torch.randn(V, 16)
+    rows = CertifiedHead(W).provider.rows
+    with pytest.raises(ValueError):
+        StaticTopK(W, rows, k=2, capacity=1)
+    with pytest.raises(ValueError):
+        StaticTopK(W, rows, k=1, capacity=V)
+
+
+def test_compiled_greedy_with_a_suppress_list():
+    """Whisper's fixed suppress list is folded into the static certificate (the top-1 of the other tokens): with
+    stock's own favourite tokens suppressed and a small capacity, the tokens are still stock compiled's."""
+    torch._dynamo.reset()
+    m = _tiny("llama", seed=6)
+    x = _inputs(m)
+    free, _ = _gen(m, x, False, max_new_tokens=8)
+    sup = sorted(set(free[:, x["input_ids"].shape[1]:].reshape(-1).tolist()))[:6]
+    kw = dict(max_new_tokens=8, suppress_tokens=sup)
+    ref, _ = _gen(m, x, False, **kw)
+    got = m.generate(**x, **_compile_kw(**kw), csv_config=CSVConfig(compile_capacity=3))
+    st = m.csv_last_stats
+    assert torch.equal(ref, got)
+    assert not set(got[:, x["input_ids"].shape[1]:].reshape(-1).tolist()) & set(sup)
+    assert st["compiled_head"]["certified"] > 0 and st["compiled_head"]["capacity"] == 3, st
+
+
+def test_static_topk_suppressed_tokens():
+    """With each row's stock winner suppressed, the certified top-1 of the other tokens is stock's (capacity 1:
+    a certificate that ignored the suppressed set would return only the suppressed winner)."""
+    certified = 0
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        W = torch.randn(V, 32, generator=g) * 6
+        H = torch.randn(4, 32, generator=g)
+        stock = F.linear(H, W)
+        sup = stock.argmax(1).unique()
+        plan = StaticTopK(W, CertifiedHead(W).provider.rows, k=1, capacity=1, suppress=sup)
+        out = plan(H)
+        mask = torch.zeros(V, dtype=torch.bool)
+        mask[sup] = True
+        want = stock.masked_fill(mask, float("-inf")).argmax(1)
+        assert torch.equal(out.masked_fill(mask, float("-inf")).argmax(1), want)
+        certified += plan.counters()[1]
+    assert certified > 0  # (some calls certified, not all the fallback)
