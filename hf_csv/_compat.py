@@ -4,6 +4,8 @@ hf_csv touches transformers at these documented points only (docs/processors.md,
 
 * ``GenerationMixin._get_logits_processor`` / ``_get_stopping_criteria`` / ``_get_candidate_generator``
   (instance-level overrides: stock result first, then hf_csv inspects it);
+* ``GenerationMixin._valid_auto_compile_criteria`` (instance-level override, stock answer first: when the
+  decode forward is compiled, which head the graph traces; 4.57 and 5.x share its signature);
 * the model's output head module (``lm_head`` / ``proj_out``) swapped for the call;
 * the module global ``transformers.generation.utils._speculative_sampling`` (assisted sampling).
 
