@@ -226,6 +226,7 @@ def disable(model: nn.Module) -> nn.Module:
     """Undo :func:`enable` (the class's generate is used again)."""
     if getattr(model.__dict__.get("generate"), "_hf_csv", False):
         del model.__dict__["generate"]
+    model.__dict__.pop("_hf_csv_head", None)  # the head wrapper kept for compiled graphs (hf_csv.head.swapped_head)
     return model
 
 
