@@ -212,3 +212,26 @@ def test_static_topk_suppressed_tokens():
         assert torch.equal(out.masked_fill(mask, float("-inf")).argmax(1), want)
         certified += plan.counters()[1]
     assert certified > 0  # (some calls certified, not all the fallback)
+
+
+def test_compiled_plan_only_for_a_lone_call():
+    """A graph cannot tell calls apart: the static head is installed only while one certified call is active on the
+    model; a second call, or a compiled caller without a session, makes every compiled caller use stock's head until
+    the last call exits (docs/certificates.md §3.9)."""
+    from hf_csv.head import set_static_plan, swapped_head
+
+    m = _tiny("llama", seed=7)
+    W = m.lm_head.weight
+    plan = StaticTopK(W.detach(), CertifiedHead(W.detach()).provider.rows, k=1, capacity=8)
+    with swapped_head(m, object()):
+        wrapper = m.lm_head
+        assert set_static_plan(m, plan, own=True) and wrapper.static_plan is plan
+        with swapped_head(m, object()):  # a second, concurrent certified call
+            assert not set_static_plan(m, plan, own=True) and wrapper.static_plan is None
+        assert not set_static_plan(m, plan, own=True) and wrapper.static_plan is None  # until the last exits
+    assert m.lm_head is not wrapper and wrapper.static_plan is None
+    with swapped_head(m, object()):
+        assert m.lm_head is wrapper  # the kept wrapper: a compiled graph's guard on the head module still holds
+        assert set_static_plan(m, plan, own=True)
+        assert not set_static_plan(m, None, own=False) and wrapper.static_plan is None  # a stock compiled caller
+    assert not set_static_plan(m, plan, own=True)  # no call active: nothing to install into
