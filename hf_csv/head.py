@@ -301,7 +301,8 @@ class CSVHead(nn.Module):
         super().__init__()
         self.inner = inner
         self._model_id = id(model)
-        # the head traced into a compiled forward (hf_csv.scope.compiled_decode): a StaticTopK, or None for stock's
+        # the head traced into a compiled forward (set by hf_csv.scope's _valid_auto_compile_criteria override through
+        # set_static_plan): a StaticTopK, or None for stock's
         self.static_plan = None
 
     # keep attribute access that code may do on the head working (weight/bias/in_features...)
