@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .certificate import CertStats
 from .config import CSVConfig
 from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
                    set_static_plan, swapped_head)
@@ -191,11 +192,7 @@ def _compiled_stats(sess: CSVSession) -> None:
     rows, cert = r1 - r0, c1 - c0
     sess.extra["compiled_head"] = {"rows": rows, "certified": cert, "capacity": plan.capacity,
                                    "mean_subvocab": (s1 - s0) / cert if cert else None}
-    st = sess.stats
-    st.rows += rows
-    st.certified += cert
-    st.fallback += rows - cert
-    st.subvocab_sum += s1 - s0
+    sess.stats.merge(CertStats(rows=rows, certified=cert, fallback=rows - cert, subvocab_sum=s1 - s0))
 
 
 def _patched_get_stopping_criteria(model: nn.Module, orig: Callable) -> Callable:

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
+from hf_csv_kernels.quantize import Int8Rows, gamma
+from hf_csv_kernels.screen import weight_only_radius
 
 from .certificate import _cut, _down
 
@@ -65,12 +66,10 @@ class StaticTopK:
         if not 1 <= k <= capacity < V:
             raise ValueError(f"need 1 <= k <= capacity < V, got k={k}, capacity={capacity}, V={V}")
         self.weight, self.k, self.capacity, self.vocab_size = weight.detach(), int(k), int(capacity), V
-        self.q, self.scale = rows.q, rows.scale
-        self.err_l2, self.l1 = rows.err_l2, rows.l1
+        self.rows, self.q, self.scale = rows, rows.q, rows.scale
         self.abs_l1 = rows.abs_l1 * (1 + 1e-6)
         self.l1_max = float(self.abs_l1.max()) * (1 + 1e-6)
         self.gam = gamma(d + 2)
-        self.u4 = 1 + 4 * unit_roundoff()
         self.int8pack = _has_int8pack(weight.device)
         self.deq: Optional[torch.Tensor] = None if self.int8pack else rows.dequantize()
         self.suppress = None
@@ -86,17 +85,15 @@ class StaticTopK:
     def counters(self) -> tuple[int, int, int]:
         return int(self.rows_seen), int(self.rows_certified), int(self.subvocab_sum)
 
-    def _screen(self, Hf: torch.Tensor) -> torch.Tensor:
-        """Upper bounds U >= the real logit for every token (§1.1's weight-only bound)."""
+    def _screen(self, Hf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The estimate and upper bounds U >= the real logit for every token (§1.1's weight-only bound)."""
         if self.int8pack:
             # Σ_j q_ij h_j accumulated in fp32, then one product with s_i: within γ_{d+1}·||Ŵ_i||_1·||h||_∞ of
             # <Ŵ_i, h>, inside the γ_{d+2} term below
             est = torch._weight_int8pack_mm(Hf, self.q, self.scale)
         else:
             est = Hf @ self.deq.T
-        hn2 = Hf.norm(dim=1, keepdim=True) * self.u4
-        hinf = Hf.abs().amax(dim=1, keepdim=True)
-        return est, est + (self.err_l2 * hn2 + self.l1 * (self.gam * hinf))
+        return est, est + weight_only_radius(self.rows, Hf)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         lead, d = hidden.shape[:-1], hidden.shape[-1]

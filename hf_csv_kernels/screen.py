@@ -21,7 +21,8 @@ import torch
 
 from .quantize import Int8Rows, gamma, unit_roundoff
 
-__all__ = ["ScreenState", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available"]
+__all__ = ["ScreenState", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
+           "weight_only_radius"]
 
 # fbgemm's dynamic linear quantizes activations to 7 bits with reduce_range=True; that
 # keeps the int16 pair sums of its AVX2 kernel from saturating, which the bound relies on.
@@ -139,6 +140,19 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     return state
 
 
+def weight_only_radius(rows: Int8Rows, H: torch.Tensor) -> torch.Tensor:
+    """The error radius of a weight-only int8 screen on fp32 activations ``H`` [N, d] (docs/certificates.md §1.1).
+
+    rad_i = ||W_i − Ŵ_i||_2·||h||_2 (rounded up) + γ_{d+2}·||Ŵ_i||_1·||h||_∞: quantization plus any-order fp32
+    accumulation of Ŵ h. The one formula of the screens that run Ŵ h in fp32 (this module's reference,
+    :class:`hf_csv.static.StaticTopK`).
+    """
+    d = rows.q.shape[1]
+    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * unit_roundoff())
+    hinf = H.abs().amax(dim=1, keepdim=True)
+    return rows.err_l2 * hn2 + rows.l1 * (gamma(d + 2) * hinf)
+
+
 @torch.no_grad()
 def screen_int8_reference(state: ScreenState, H: torch.Tensor, chunk_rows: int = 32768) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch reference: weight-only int8, fp32 activations.
@@ -147,15 +161,12 @@ def screen_int8_reference(state: ScreenState, H: torch.Tensor, chunk_rows: int =
     """
     rows = state.rows
     H = H.float()
-    V, d = rows.q.shape
+    V = rows.q.shape[0]
     est = torch.empty(H.shape[0], V, dtype=torch.float32, device=H.device)
     for lo in range(0, V, chunk_rows):
         w = rows.q[lo : lo + chunk_rows].float() * rows.scale[lo : lo + chunk_rows, None]
         est[:, lo : lo + chunk_rows] = H @ w.T
-    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * unit_roundoff())
-    hinf = H.abs().amax(dim=1, keepdim=True)
-    rad = rows.err_l2 * hn2 + rows.l1 * (gamma(d + 2) * hinf)
-    return est, rad
+    return est, weight_only_radius(rows, H)
 
 
 @torch.no_grad()
