@@ -128,6 +128,9 @@ class CSVSession:
     spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
+    # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
+    # step (hf_csv.speed): (key, certified, seconds in the head) or None
+    guard_pending: Optional[tuple] = None
     # Whisper's logprob_threshold (hf_csv.whisper): the scores generate keeps feed only the avg-logprob decision,
     # which hf_csv certifies; lp_record: the processor records each greedy step's normalizer bounds in lp_steps
     scores_internal: bool = False
@@ -358,13 +361,13 @@ class CSVHead(nn.Module):
         guard = getattr(ch, "_speed_guard", None)
         gkey = None
         if guard is not None and guard.enabled():
+            flush_guard(sess)  # a record the processor did not complete (it did not run after that head call)
             gkey = (sess.mode, sess.always, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
             if not guard.certified(gkey):
                 sess.note("the full head is measured faster than the certified one for this shape (hf_csv.speed)")
                 t0 = time.perf_counter()
                 out = self._full(sess, hidden)
-                guard.record(gkey, False, time.perf_counter() - t0)
-                sess.extra["speed_guard"] = guard.summary(gkey)
+                _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
                 return out
             t0 = time.perf_counter()
         mode = sess.mode
@@ -417,11 +420,39 @@ class CSVHead(nn.Module):
                                   noise=noise, cut=cut, upper=upper)
             sess.spec_pending = mode == "spec"
         if gkey is not None:
-            guard.record(gkey, True, time.perf_counter() - t0)
-            summ = guard.summary(gkey)
-            if summ is not None:
-                sess.extra["speed_guard"] = summ
+            _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
         return out
+
+
+def _guard_record(sess: CSVSession, guard: Any, gkey: tuple, certified: bool, seconds: float,
+                  hidden: torch.Tensor) -> None:
+    """Record a head call's time with the speed guard, or leave it for the step's CSVLogitsProcessor to complete.
+
+    When a CSVLogitsProcessor runs after a one-position head call (``sess.verify``, not assisted), the step's cost
+    of each side includes what the processor does for it: the certificate's check on a certified row, stock's
+    warper on a full one (nucleus mode replaces stock's top-p warper, whose sort over V costs about a third of
+    SmolLM2's head). The guard then compares whole steps, not head calls (hf_csv.speed)."""
+    one = hidden.dim() < 3 or hidden.shape[-2] == 1
+    if sess.verify and one and not (sess.assisted or sess.draft):
+        sess.guard_pending = (guard, gkey, certified, seconds)
+        return
+    guard.record(gkey, certified, seconds)
+    summ = guard.summary(gkey)
+    if summ is not None:
+        sess.extra["speed_guard"] = summ
+
+
+def flush_guard(sess: CSVSession, extra_seconds: float = 0.0) -> None:
+    """Complete the pending speed-guard record of the last head call (adding ``extra_seconds``, the processor's
+    time of the same step) and report the guard's current choice in the call's stats."""
+    got, sess.guard_pending = sess.guard_pending, None
+    if got is None:
+        return
+    guard, gkey, certified, seconds = got
+    guard.record(gkey, certified, seconds + extra_seconds)
+    summ = guard.summary(gkey)
+    if summ is not None:
+        sess.extra["speed_guard"] = summ
 
 
 def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextvars
 import math
+import time
 from typing import Optional
 
 import torch
 from transformers import LogitsProcessor
 
 from .errors import CSVError
-from .head import CSVSession
+from .head import CSVSession, flush_guard
 from .policy import classify_processor
 
 __all__ = ["CSVLogitsProcessor"]
@@ -84,6 +85,15 @@ class CSVLogitsProcessor(LogitsProcessor):
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
+        if sess is None or sess.guard_pending is None:
+            return self._process(input_ids, scores, sess)
+        t0 = time.perf_counter()
+        out = self._process(input_ids, scores, sess)
+        flush_guard(sess, time.perf_counter() - t0)  # the speed guard compares whole steps (hf_csv.head)
+        return out
+
+    def _process(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
+                 sess: Optional[CSVSession]) -> torch.FloatTensor:
         if sess is not None and sess.check_replaces is not None and (
                 sess.mode != "nucleus" or not sess.verify or sess.last is None):
             # this processor took the top-p warper's place, and this step's row is stock's (the call or the head

@@ -114,6 +114,7 @@ def certified(model: nn.Module, sess: CSVSession):
             yield sess
         finally:
             _compiled_stats(sess)
+            sess.guard_pending = None  # (a head call no processor step followed: its time alone would mislead)
             sess.last = None  # drop the stashed tensors with the call
             sess.last_out = None
 

@@ -8,6 +8,12 @@ other side now and then (every 16 calls, doubling to 128 while the choice holds;
 certified head is more than 1.5× faster). Both sides are exact;
 this only picks the faster. The choice is reported in the call's stats (``speed_guard``).
 
+What is timed is the step's work that differs between the two sides: the head call, plus, when hf_csv's
+``CSVLogitsProcessor`` runs after it (decoding with a per-step check), that processor's time in the same step —
+the check on a certified row, stock's warper that it stands in for on a full one (nucleus mode replaces stock's
+top-p warper, whose sort over V costs about a third of SmolLM2's head on this project's CPU). Other processors and
+the model body cost the same on both sides and are not timed.
+
 Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests stay certified), and
 ``HF_CSV_SPEED_GUARD=0`` turns the guard off.
 """

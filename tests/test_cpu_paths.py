@@ -239,3 +239,38 @@ def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
         assert torch.equal(out, ref[:, : out.shape[1]]) and m.csv_last_stats["full_head_calls"] == 0
     finally:
         hf_csv.disable(m)
+
+
+def test_speed_guard_counts_the_processor_step(monkeypatch):
+    """The guard compares whole steps: in nucleus mode the CSVLogitsProcessor takes the top-p warper's place, so
+    a certified row's check belongs to the certified side's cost. Made slow here (the head itself is not), it
+    must make the guard pick the full head; timing the head call alone would keep the certified one."""
+    import time as _time
+
+    import hf_csv
+    import hf_csv.processors as P
+    import hf_csv.speed as speed
+
+    monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)
+    real = P.CSVLogitsProcessor._nucleus
+
+    def slow_nucleus(self, *a, **k):
+        _time.sleep(0.02)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(P.CSVLogitsProcessor, "_nucleus", slow_nucleus)
+    m, ids = _tiny_llama()
+    gen = dict(max_new_tokens=24, do_sample=True, top_k=0, top_p=0.9, temperature=0.7)
+    torch.manual_seed(3)
+    ref = m.generate(ids, **gen)
+    hf_csv.enable(m)
+    try:
+        torch.manual_seed(3)
+        out = m.generate(ids, **gen, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert st["mode"] == "nucleus", st
+        assert torch.equal(out, ref)
+        assert st["speed_guard"]["choice"] == "full", st
+        assert st["full_head_calls"] >= 12 and st["speed_guard"]["certified_ms"] >= 20, st
+    finally:
+        hf_csv.disable(m)
