@@ -512,6 +512,7 @@ def decide_compiled(session: CSVSession) -> Any:
     key = (C, tuple(sup))
     plan = plans.get(key)
     if plan is None:  # one per head, capacity and suppressed set: a reused plan object keeps dynamo's guards
+        screen = ch.provider if getattr(ch.provider, "name", None) == "screen" else None
         plan = plans[key] = StaticTopK(ch.weight, rows, k=1, capacity=C,
-                                       suppress=torch.tensor(sup, dtype=torch.long) if sup else None)
+                                       suppress=torch.tensor(sup, dtype=torch.long) if sup else None, screen=screen)
     return plan

@@ -11,14 +11,18 @@ set S' that holds stock's top-k, ties included, and are -inf elsewhere; or the w
 head), when S has more than ``C`` tokens or ``h`` is not finite. Limits: no bias (the eager certificate
 handles biased heads); the values on S' come from the same GEMM over all rows of the call and the union of
 the candidate columns, so they equal stock's where the kernel is invariant to the number of output columns,
-as §2.0 states for the eager head. The screen here is the weight-only int8 reference of §1.1 (one
-``_weight_int8pack_mm`` when torch has it): the same bound, a different kernel.
+as §2.0 states for the eager head. The screen is the head's own screen provider (:mod:`hf_csv.bounds`, the
+eager certificate's kernels, chosen by device in :mod:`hf_csv_kernels.dispatch`), called through the opaque
+custom op ``hf_csv::screen_bounds`` so that the compiled graph runs it as it is: inductor would run the
+weight-only ``_weight_int8pack_mm`` about twice as slow as stock's fp32 head on this project's CPUs (measured,
+docs/benchmarks.md §9.8). Without a provider (unit tests) the weight-only int8 reference of §1.1 serves.
 
 This module does not import transformers (core, below the integration in :mod:`hf_csv.scope`).
 """
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,25 @@ from hf_csv_kernels.screen import weight_only_radius
 from .certificate import _cut, _down
 
 __all__ = ["StaticTopK"]
+
+
+# screen providers by key for the custom op (a compiled graph passes the key, a constant, not the object); the plan
+# that uses a provider keeps it alive
+_PROVIDERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("hf_csv::screen_bounds", mutates_args=())
+def screen_bounds(H: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(estimate, upper bounds) [N, V] of screen provider ``key`` on fp32 hidden states ``H`` [N, d]: the provider's
+    own call, opaque to the compiler (its kernels run as in eager decoding; the bound is §1.1's)."""
+    est, upper = _PROVIDERS[key](H)
+    return est, upper
+
+
+@screen_bounds.register_fake
+def _screen_bounds_fake(H: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    V = _PROVIDERS[key].vocab_size
+    return H.new_empty((H.shape[0], V), dtype=torch.float32), H.new_empty((H.shape[0], V), dtype=torch.float32)
 
 
 def _has_int8pack(device: torch.device) -> bool:
@@ -52,6 +75,8 @@ class StaticTopK:
         capacity: C >= k, the most tokens a certified row may hold.
         suppress: token ids that a later processor sets to -inf at every step (Whisper's ``suppress_tokens``):
             the certificate is then about the top-k of the other tokens (docs/certificates.md §3.9).
+        screen: the head's screen provider (:class:`hf_csv.bounds.ScreenProvider` of ``rows``, no bias): its
+            bounds, through ``hf_csv::screen_bounds``. ``None``: the weight-only reference on ``rows``.
 
     Call it on hidden states [..., d] in the weight dtype; it returns [..., V] logits in that dtype. Counters
     (``rows_seen``, ``rows_certified``, ``subvocab_sum``: int64 tensors updated in place, also inside a compiled
@@ -59,7 +84,7 @@ class StaticTopK:
     """
 
     def __init__(self, weight: torch.Tensor, rows: Int8Rows, k: int = 1, capacity: int = 64,
-                 suppress: Optional[torch.Tensor] = None):
+                 suppress: Optional[torch.Tensor] = None, screen: Any = None):
         V, d = weight.shape
         if rows.q.dtype != torch.int8 or tuple(rows.q.shape) != (V, d):
             raise ValueError(f"StaticTopK needs int8 screen rows of shape {(V, d)}")
@@ -70,8 +95,14 @@ class StaticTopK:
         self.abs_l1 = rows.abs_l1 * (1 + 1e-6)
         self.l1_max = float(self.abs_l1.max()) * (1 + 1e-6)
         self.gam = gamma(d + 2)
-        self.int8pack = _has_int8pack(weight.device)
-        self.deq: Optional[torch.Tensor] = None if self.int8pack else rows.dequantize()
+        self.screen, self.screen_key = screen, None
+        if screen is not None:
+            if getattr(screen, "rows", None) is not rows or getattr(screen, "bias", None) is not None:
+                raise ValueError("StaticTopK's screen must be the bias-free screen provider of the given rows")
+            self.screen_key = id(screen)
+            _PROVIDERS[self.screen_key] = screen
+        self.int8pack = screen is None and _has_int8pack(weight.device)
+        self.deq: Optional[torch.Tensor] = None if self.int8pack or screen is not None else rows.dequantize()
         self.suppress = None
         if suppress is not None and suppress.numel():
             self.suppress = torch.zeros(V, dtype=torch.bool, device=weight.device)
@@ -86,7 +117,9 @@ class StaticTopK:
         return int(self.rows_seen), int(self.rows_certified), int(self.subvocab_sum)
 
     def _screen(self, Hf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The estimate and upper bounds U >= the real logit for every token (§1.1's weight-only bound)."""
+        """The estimate and upper bounds U >= the real logit for every token (§1.1)."""
+        if self.screen_key is not None:
+            return screen_bounds(Hf, self.screen_key)
         if self.int8pack:
             # Σ_j q_ij h_j accumulated in fp32, then one product with s_i: within γ_{d+1}·||Ŵ_i||_1·||h||_∞ of
             # <Ŵ_i, h>, inside the γ_{d+2} term below

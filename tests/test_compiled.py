@@ -98,6 +98,11 @@ def test_no_graph_break():
     _gen(m, _inputs(m), True, max_new_tokens=4)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert m.csv_last_stats["compiled_head"]["certified"] > 0
+    # the graph runs the head's own screen provider (its eager kernels, through hf_csv::screen_bounds)
+    from hf_csv.head import find_head, get_certified_head
+
+    plans = list(get_certified_head(find_head(m)[1], CSVConfig()).__dict__["_static_plans"].values())
+    assert plans and all(p.screen_key is not None for p in plans)
 
 
 def test_compiled_call_that_needs_a_check_uses_the_stock_head():
@@ -127,9 +132,10 @@ def test_compiled_sampling_declined_same_tokens():
 
 
 # ----------------------------------------------------------------------------------- the static head itself
+@pytest.mark.parametrize("screen", [False, True], ids=["weight-only", "provider"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_static_topk_against_stock(seed, dtype):
+def test_static_topk_against_stock(seed, dtype, screen):
     """Eager: argmax equals stock's F.linear argmax on every row; values on the returned set equal stock's; a row
     whose certified set exceeds the capacity gives stock's whole row."""
     g = torch.Generator().manual_seed(seed)
@@ -139,7 +145,7 @@ def test_static_topk_against_stock(seed, dtype):
     H[2] *= 0.01  # a flat row: its certified set is large
     stock = F.linear(H, W)
     for C in (8, 64, V - 1):
-        plan = StaticTopK(W, ch.provider.rows, k=1, capacity=C)
+        plan = StaticTopK(W, ch.provider.rows, k=1, capacity=C, screen=ch.provider if screen else None)
         rows0 = plan.counters()
         out = plan(H)
         assert out.dtype == dtype and out.shape == stock.shape
