@@ -193,7 +193,10 @@ def _compiled_stats(sess: CSVSession) -> None:
     rows, cert = r1 - r0, c1 - c0
     sess.extra["compiled_head"] = {"rows": rows, "certified": cert, "capacity": plan.capacity,
                                    "mean_subvocab": (s1 - s0) / cert if cert else None}
-    sess.stats.merge(CertStats(rows=rows, certified=cert, fallback=rows - cert, subvocab_sum=s1 - s0))
+    # (vocab_size too: when the eager prefill used the full head, e.g. while the screen was being packed, nothing
+    # else set it)
+    sess.stats.merge(CertStats(rows=rows, certified=cert, fallback=rows - cert, subvocab_sum=s1 - s0,
+                               vocab_size=plan.vocab_size))
 
 
 def _patched_get_stopping_criteria(model: nn.Module, orig: Callable) -> Callable:

@@ -241,3 +241,19 @@ def test_compiled_plan_only_for_a_lone_call():
         assert set_static_plan(m, plan, own=True)
         assert not set_static_plan(m, None, own=False) and wrapper.static_plan is None  # a stock compiled caller
     assert not set_static_plan(m, plan, own=True)  # no call active: nothing to install into
+
+
+def test_compiled_stats_when_the_eager_prefill_used_the_full_head(monkeypatch):
+    """The eager prefill may take the full head (a large head's screen still being packed); the compiled steps'
+    rows are still counted, and the call's stats are well formed (they divided by a zero vocabulary size)."""
+    from hf_csv.certificate import CertifiedHead as CH
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(CH, "ready", lambda self, H: False)
+    m = _tiny("llama", seed=5)
+    x = _inputs(m)
+    ref, _ = _gen(m, x, False, max_new_tokens=6)
+    got, st = _gen(m, x, True, max_new_tokens=6)
+    assert torch.equal(ref, got)
+    assert st["compiled_head"]["certified"] > 0 and st["certified"] == st["compiled_head"]["certified"], st
+    assert 0 < st["mean_subvocab_fraction"] < 1, st
