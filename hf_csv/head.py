@@ -364,7 +364,8 @@ class CSVHead(nn.Module):
             flush_guard(sess)  # a record the processor did not complete (it did not run after that head call)
             gkey = (sess.mode, sess.always, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
             if not guard.certified(gkey):
-                sess.note("the full head is measured faster than the certified one for this shape (hf_csv.speed)")
+                sess.note("the full head is measured faster than the certified one for this shape, or is being "
+                          "re-measured (a periodic probe of the speed guard, hf_csv.speed)")
                 t0 = time.perf_counter()
                 out = self._full(sess, hidden)
                 _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
