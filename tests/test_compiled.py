@@ -3,6 +3,7 @@ static certified head is traced into it with no graph break, does not recompile 
 gives stock compiled generate's tokens. Calls it cannot certify inside a graph take stock's head, with a reason."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -257,3 +258,61 @@ def test_compiled_stats_when_the_eager_prefill_used_the_full_head(monkeypatch):
     assert torch.equal(ref, got)
     assert st["compiled_head"]["certified"] > 0 and st["certified"] == st["compiled_head"]["certified"], st
     assert 0 < st["mean_subvocab_fraction"] < 1, st
+
+
+# ------------------------------------------------------------------ the differential fuzzer, compiled
+# Random compiled cases against stock compiled generate: architecture, dtype, batch (left-padded), length, capacity,
+# suppress lists, and processors the compiled head declines. Count: max(6, fuzz cases / 50) (CI: 6).
+COMPILED_RESULTS: list = []
+
+
+def pytest_generate_tests(metafunc):
+    if "compiled_case" in metafunc.fixturenames:
+        n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
+        metafunc.parametrize("compiled_case", range(max(6, int(n) // 50)))
+
+
+def _compiled_case(i: int) -> dict:
+    import random
+
+    rng = random.Random(6007 * i + 11)
+    c = {"arch": rng.choice(["llama", "qwen2", "gemma3", "whisper"]), "seed": rng.randrange(4),
+         "dtype": rng.choice([torch.float32, torch.bfloat16]), "batch": rng.choice([1, 2, 3]),
+         "capacity": rng.choice([1, 3, 8, 64]), "kw": {"max_new_tokens": rng.randint(2, 8)}}
+    extra = rng.random()
+    if extra < 0.15:
+        c["kw"]["repetition_penalty"] = 1.3  # declined in the graph: stock's head, a reason
+    elif extra < 0.3 and c["arch"] != "whisper":
+        c["kw"]["suppress_tokens"] = [rng.randrange(3, 90) for _ in range(rng.randint(1, 8))]
+    return c
+
+
+def test_compiled_differential_case(compiled_case):
+    c = _compiled_case(compiled_case)
+    torch._dynamo.reset()
+    m = _tiny(c["arch"], seed=c["seed"], dtype=c["dtype"])
+    x = _inputs(m, batch=c["batch"], seed=compiled_case)
+    if "input_features" in x:
+        x["input_features"] = x["input_features"].to(c["dtype"])
+    ref = m.generate(**x, **_compile_kw(**c["kw"]))
+    got = m.generate(**x, **_compile_kw(**c["kw"]), csv_config=CSVConfig(compile_capacity=c["capacity"]))
+    st = m.csv_last_stats
+    COMPILED_RESULTS.append({"case": compiled_case, "arch": c["arch"], "mode": st["mode"],
+                             "compiled": st.get("compiled_head"), "reasons": st["reasons"]})
+    assert torch.equal(ref, got), f"compiled case {compiled_case} {c}: tokens differ from stock compiled generate"
+    if "repetition_penalty" in c["kw"]:
+        assert st["mode"] == "full" and any("torch.compile" in r for r in st["reasons"]), st
+    elif st["mode"] != "full":
+        assert st["compiled_head"]["rows"] > 0, st
+
+
+def test_compiled_differential_summary():
+    """Runs after the compiled cases: most of them must have run the certified compiled head (declining or
+    falling back everywhere must not pass for success)."""
+    if not COMPILED_RESULTS:
+        pytest.skip("no compiled fuzz case ran in this session")
+    n = len(COMPILED_RESULTS)
+    cert = sum(bool(r["compiled"] and r["compiled"]["certified"] > 0) for r in COMPILED_RESULTS)
+    print(f"\nhf_csv compiled fuzzer: {n} cases, {cert} with certified compiled rows, "
+          f"{sum(r['mode'] == 'full' for r in COMPILED_RESULTS)} declined")
+    assert cert >= n / 2, COMPILED_RESULTS
