@@ -129,7 +129,7 @@ class CSVSession:
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
-    # step (hf_csv.speed): (key, certified, seconds in the head) or None
+    # step (hf_csv.speed): (guard, key, certified, seconds in the head) or None
     guard_pending: Optional[tuple] = None
     # Whisper's logprob_threshold (hf_csv.whisper): the scores generate keeps feed only the avg-logprob decision,
     # which hf_csv certifies; lp_record: the processor records each greedy step's normalizer bounds in lp_steps

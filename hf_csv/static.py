@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from hf_csv_kernels.quantize import Int8Rows, gamma
+from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
 from hf_csv_kernels.screen import weight_only_radius
 
 from .certificate import _cut, _down
@@ -126,7 +126,10 @@ class StaticTopK:
             est = torch._weight_int8pack_mm(Hf, self.q, self.scale)
         else:
             est = Hf @ self.deq.T
-        return est, est + weight_only_radius(self.rows, Hf)
+        # (+4u·||Ŵ_i||_1·||h||_∞: the rounding of est + rad, as the screen provider adds it)
+        hinf = Hf.abs().amax(dim=1, keepdim=True)
+        upper = torch.add(est, weight_only_radius(self.rows, Hf))
+        return est, upper.addcmul_(self.rows.l1, hinf * (4 * unit_roundoff()))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         lead, d = hidden.shape[:-1], hidden.shape[-1]

@@ -91,7 +91,8 @@ def main() -> None:
     cert = sum(s["compiled_head"]["certified"] for s in stats)
     sub = [s["compiled_head"]["mean_subvocab"] for s in stats if s["compiled_head"]["mean_subvocab"] is not None]
     res = {"model": os.path.basename(os.path.normpath(args.model)), "threads": args.threads, "runs": args.runs,
-           "new_tokens": ntok, "dtype": "float32", "batch": 1, "machine_before": before, "machine_after": machine_load(),
+           "new_tokens": ntok, "dtype": "float32", "batch": 1, "machine_before": before,
+           "machine_after": machine_load(),
            "tokens_per_s_stock": n / statistics.median(ts), "tokens_per_s_csv": n / statistics.median(tc),
            "speedup": statistics.median(ratios), "identical_tokens": bool(same),
            "compiled_head": {"rows": rows, "certified": cert, "mean_subvocab": statistics.fmean(sub) if sub else None,

@@ -30,9 +30,12 @@ for name, (V, d) in shapes.items():
     h = torch.randn(1, d)
     assert torch.equal(plan2(h).argmax(-1), F.linear(h, W).argmax(-1))
     fns = {}
-    for k, f in (("stock", stock), ("static_weight_only", cert), ("static_provider", lambda h: plan2(h)), ("fused_screen", fused), ("int8pack_screen", lambda h: torch._weight_int8pack_mm(h, q, s))):
+    cases = (("stock", stock), ("static_weight_only", cert), ("static_provider", lambda h: plan2(h)),
+             ("fused_screen", fused), ("int8pack_screen", lambda h: torch._weight_int8pack_mm(h, q, s)))
+    for k, f in cases:
         fns[k] = torch.compile(f, fullgraph=True, dynamic=False)
-        for _ in range(3): fns[k](h)
+        for _ in range(3):
+            fns[k](h)
     ts = {k: [] for k in fns}
     for r in range(30):
         for k, f in fns.items():
