@@ -67,6 +67,11 @@ class CSVConfig:
             over V; greedy ``argmax`` of each row is still stock's token).
         screen_quant: storage of the screen's rows: ``"int8"`` (default; fbgemm fast path on CPU) or
             ``"fp8"`` (e4m3, per-row scaled; Triton on CUDA, weight-only reference on CPU).
+        beam_search: beam search (``num_beams > 1``, no sampling): ``"full"`` (default; the full head, stock's
+            arithmetic) or ``"exact"`` (opt-in: the token-identical certificate of docs/certificates.md §3.10; a
+            decision the intervals cannot certify re-runs the call on the full head, so tokens are always stock's).
+            Not the default because it is measured *slower* than stock on this project's heads: the screen bounds a
+            beam row's normalizer too loosely, so most rows go over the budget (docs/benchmarks.md §9.9).
         compile_capacity: inside a compiled forward (``cache_implementation="static"`` with transformers'
             auto-compile), the static candidate capacity C of the certified head: a row whose certified set
             has more than C tokens takes the full head there (decided on the device, no graph break).
@@ -89,6 +94,7 @@ class CSVConfig:
     screen_quant: str = "int8"
     scores: str = "stock"
     compile_capacity: int = 64
+    beam_search: str = "full"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,6 +137,8 @@ class CSVConfig:
             raise ValueError(f"CSVConfig.screen_quant must be 'int8' or 'fp8', got {self.screen_quant!r}")
         if self.scores not in ("stock", "subvocab"):
             raise ValueError(f"CSVConfig.scores must be 'stock' or 'subvocab', got {self.scores!r}")
+        if self.beam_search not in ("full", "exact"):
+            raise ValueError(f"CSVConfig.beam_search must be 'full' or 'exact', got {self.beam_search!r}")
         c = self.compile_capacity
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"CSVConfig.compile_capacity must be an int >= 1, got {c!r}")

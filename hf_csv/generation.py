@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ._compat import unsupported_reason
+from .beam import BeamUncertified, beam_decisions
 from .candidate import patched_candidate_generator, user_assistant_settings
 from .config import CSVConfig
 from .errors import CSVError
@@ -56,6 +57,7 @@ def _version_reason() -> Optional[str]:
 
 def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
     sess = new_session(model, config)
+    sess.extra["_caller_cache"] = kwargs.get("past_key_values") is not None
     sess.assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None
     gc = kwargs.get("generation_config")
     if gc is not None and getattr(gc, "prompt_lookup_num_tokens", None) is not None:
@@ -113,8 +115,14 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
         return _attach_stats(model, out, sess.summary(), config)
     sess = _make_session(model, config, kwargs)
     with certified(model, sess), _verify_patch(sess, config) as spec, _assist_patch(model, sess, config), \
-            whisper_decisions(model, sess):
-        out = call(*args, **kwargs)
+            whisper_decisions(model, sess), beam_decisions(model, sess):
+        try:
+            out = call(*args, **kwargs)
+        except BeamUncertified as e:
+            # a beam decision the intervals could not certify (hf_csv.beam): never guess, run the call again with
+            # stock's head for its beam searches (a fresh start: the caller passed no cache, generate is deterministic)
+            _beam_restart(sess, str(e))
+            out = call(*args, **kwargs)
     if spec is not None and spec.calls:
         sess.extra["speculative"] = spec.summary()
     if sess.spec_pending:  # pragma: no cover - hf_csv.candidate makes this call complete; never return it silently
@@ -122,6 +130,19 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
                        "its tokens may not follow the model's law. Please report this; generate without "
                        "csv_config meanwhile.")
     return _attach_stats(model, out, sess.summary(), config)
+
+
+def _beam_restart(sess: CSVSession, why: str) -> None:
+    st = sess.extra.setdefault("beam", {})
+    st["restarts"] = st.get("restarts", 0) + 1
+    st["aborted_steps"] = st.get("aborted_steps", 0) + st.get("certified_steps", 0)
+    st["aborted_rows"] = st.get("aborted_rows", 0) + sess.stats.rows
+    st["certified_steps"] = 0
+    sess.stats = type(sess.stats)()  # the returned tokens come from the re-run: its rows are what count
+    sess.beam_step = sess.beam_state = None
+    sess.last = None
+    sess.guard_pending = None
+    sess.extra["_beam_restart"] = f"{why}; this call re-ran its beam search on the full head"
 
 
 def _attach_stats(model: nn.Module, out: Any, summary: dict, config: CSVConfig) -> Any:

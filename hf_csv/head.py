@@ -49,6 +49,10 @@ _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary
 # the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only: 1e-2 sent flat
 # rows of Qwen-1.5B over the budget (full head), 5e-2 keeps |S| <= ~1,700 there (measured, docs/benchmarks.md §3)
 SPEC_EPS = 5e-2
+# beam_exact mode: S holds all but about this fraction of a row's mass (upper bounds), so the normalizer's interval is
+# ~1e-3 wide. Measured on whisper-base (docs/benchmarks.md §9.9): 1e-3 restarted no call, 1e-2 and 5e-2 restarted some
+# and still sent most beam rows over the budget (the screen bounds a row's tail mass too loosely to do better)
+BEAM_EPS = 1e-3
 
 
 @dataclass
@@ -94,7 +98,7 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
-    mode: str = "full"  # full | topk | threshold | beam | sample | epsilon | spec | nucleus (policy.decide_mode)
+    mode: str = "full"  # full | topk | threshold | beam | beam_exact | sample | epsilon | spec | nucleus (policy.decide_mode)
     k: int = 1
     temperature: float = 1.0
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
@@ -136,6 +140,8 @@ class CSVSession:
     scores_internal: bool = False
     lp_record: bool = False
     lp_steps: list = field(default_factory=list)
+    beam_step: Any = None  # beam_exact mode: this step's processed log-prob intervals (hf_csv.beam.BeamStep)
+    beam_state: Any = None  # ... and the intervals of stock's beam bookkeeping (hf_csv.beam)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
 
@@ -372,7 +378,12 @@ class CSVHead(nn.Module):
                 return out
             t0 = time.perf_counter()
         mode = sess.mode
-        if mode == "topk":
+        if mode == "beam_exact":
+            # S holds all but about BEAM_EPS of each row's mass (upper bounds): the normalizer's interval is then
+            # ~BEAM_EPS wide (hf_csv.processors.beam_logprob_box)
+            res = ch.spec(H, BEAM_EPS, out_dtype=sess.out_dtype)
+            out = res.logits
+        elif mode == "topk":
             kw = {"always": sess.always} if sess.always else {}
             if sess.lp_record:
                 kw["with_upper"] = True

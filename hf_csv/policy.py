@@ -123,6 +123,38 @@ def whisper_log_prob_reason(*configs: Any, kwargs: Optional[dict] = None) -> Opt
     return None
 
 
+# Processors token-identical beam search runs with (docs/certificates.md §3.10): each maps a token's score through a
+# non-decreasing function of that score alone (given the input ids) and never raises it, so hf_csv can run them on
+# the ends of an interval. Named here, not by kind: a custom "lower" processor promises less than that.
+_BEAM_PROCESSORS = frozenset({
+    "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor", "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor",
+    "NoBadWordsLogitsProcessor", "PrefixConstrainedLogitsProcessor", "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor"})
+
+
+def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Optional[str]:
+    """Why this beam search cannot run the token-identical certificate (None: it can)."""
+    if session.assisted or session.draft:
+        return "assisted beam search is not certified"
+    mode = gc.get_generation_mode() if hasattr(gc, "get_generation_mode") else None
+    if str(getattr(mode, "value", mode)) != "beam_search":
+        return f"{getattr(mode, 'value', mode)} is not certified (plain beam search is)"
+    if not session.post.identity:
+        return f"beam search after a post-head transform ({session.post.describe()})"
+    if session.extra.get("_caller_cache"):
+        return ("beam search with a cache passed by the caller: a call hf_csv cannot certify is re-run on the full "
+                "head, which needs a fresh cache")
+    if session.extra.get("_beam_restart"):
+        return session.extra["_beam_restart"]
+    other = sorted({type(p).__name__ for p in processors
+                    if classify_processor(p) != "csv" and type(p).__name__ not in _BEAM_PROCESSORS
+                    or (classify_processor(p) == "full")})
+    if other:
+        return f"beam search with processors {other} (token-identical beam search takes per-token lowering ones)"
+    return None
+
+
 def decide_mode(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
     """Pick the certificate for this decoding call from the generation config and processors.
 
@@ -231,8 +263,17 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         return session
     if not do_sample and num_beams > 1:
         if cfg.mode != "epsilon":
-            session.set_full("beam search's log_softmax needs the normalizer over all of V; "
-                             "CSVConfig(mode='epsilon') allows the approximate beam_epsilon certificate")
+            why = _beam_exact_reason(session, gc, processors) if cfg.beam_search == "exact" else (
+                "beam search runs the full head by default (its log_softmax needs each row's normalizer); "
+                "CSVConfig(beam_search='exact') runs the token-identical certificate, measured slower on real heads "
+                "(docs/benchmarks.md §9.9), and CSVConfig(mode='epsilon') the approximate beam_epsilon one")
+            if why is not None:
+                session.set_full(why)
+                return session
+            # token-identical beam search (docs/certificates.md §3.10): S holds every row's top beams_to_keep
+            eos = getattr(gc, "eos_token_id", None)
+            n_eos = 0 if eos is None else (1 if isinstance(eos, int) else len(torch.as_tensor(eos).reshape(-1)))
+            session.mode, session.k, session.verify = "beam_exact", max(2, 1 + n_eos) * num_beams, True
             return session
         if norm and kinds["norm"] != ["LogitNormalization"]:
             session.set_full(f"beam search with normalizing processors {kinds['norm']}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextvars
 import math
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -101,9 +102,12 @@ class CSVLogitsProcessor(LogitsProcessor):
             return sess.top_p_proc(input_ids, scores)
         if sess is not None and "_static_start" in sess.extra and self._compiled_step(sess, input_ids):
             return scores
-        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "threshold", "sample", "nucleus"):
+        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "beam_exact", "threshold", "sample",
+                                                                "nucleus"):
             return scores
         last = sess.last
+        if sess.mode == "beam_exact":
+            return self._beam_box(input_ids, scores, sess, last)
         if last is None:
             if sess.lp_record:
                 _record_lp(sess, input_ids, None, None, 0, None)
@@ -209,6 +213,30 @@ class CSVLogitsProcessor(LogitsProcessor):
         elif self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
         return out
+
+    def _beam_box(self, input_ids, scores, sess, last):
+        """Token-identical beam search (docs/certificates.md §3.10): stash, for hf_csv.beam, an interval
+        [lo, hi] around stock's processed log-prob of every computed token and a bound ``ob`` on every other
+        token's; return the scores unchanged (the representative row stock's bookkeeping runs on)."""
+        if sess.beam_step is not None:
+            raise CSVError("hf_csv: a certified beam step's intervals were not read by the beam bookkeeping; please "
+                           "report this (generate without csv_config meanwhile)")
+        x = scores.float()
+        if last is None:  # the head call used the full head: stock's row, exactly
+            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")))
+            return scores
+        p = last.position(input_ids.shape[1])
+        complete = last.mask[:, p].all(1)
+        if bool(complete.all()):  # every row over the budget: the head returned stock's rows
+            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")))
+            return scores
+        lo, hi, ob = beam_logprob_box(sess, input_ids, last, p, stop=self)
+        lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
+        hi = torch.where(complete[:, None], x, torch.maximum(hi, x))
+        sess.beam_step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
+        if self.record:
+            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
+        return scores
 
     def _rerun(self, input_ids, scores, sess, last, p, bad):
         """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
@@ -342,6 +370,85 @@ def stock_processed(sess: CSVSession, raw: torch.Tensor, input_ids: torch.Tensor
 
 
 _U32 = 2.0 ** -24
+
+
+@dataclass
+class BeamStep:
+    """One beam step's processed log-probs as intervals (beam_exact mode; read by hf_csv.beam).
+
+    ``lo`` <= stock's value <= ``hi`` on every token the head computed (float32, [N, V]); ``rep`` (what stock's own
+    bookkeeping receives) lies inside; every other token's stock value is <= ``ob`` ([N], -inf on complete rows)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    rep: torch.Tensor
+    ob: torch.Tensor
+
+
+def _f32_down(x: torch.Tensor) -> torch.Tensor:
+    """The largest float32 <= x (float64 input)."""
+    f = x.float()
+    return torch.where(f.double() > x, torch.nextafter(f, torch.full_like(f, float("-inf"))), f)
+
+
+def _f32_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 >= x (float64 input)."""
+    f = x.float()
+    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
+
+
+def beam_logprob_box(sess: CSVSession, input_ids: torch.Tensor, last, p: int, stop: Optional[LogitsProcessor] = None):
+    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10).
+
+    Stock computes fl(log_softmax(fp32(logits))) over V, then the processors. On S the logits are stock's; the
+    normalizer lies in [LSE_S, log(e^{LSE_S} + R)] with R = Σ_{i∉S} e^{upper_i}, and stock's float32 summation in any
+    order errs by at most C (the §3.6 charge), so stock's log-prob of i ∈ S lies in
+    [x_i − LSE_hi − log1p(ρ) − s_i, x_i − LSE_S − log1p(−ρ) + s_i], ρ = C/Z_S, s_i = 4u(|x_i| + |LSE_hi| + 1), rounded
+    outward to float32. The processors allowed here (hf_csv.policy) act token by token, monotone and never raising,
+    so running them on the lo row and on the hi row brackets stock's processed value; a token outside S has stock
+    value <= bound − LSE_S − log1p(−ρ) + s (bound: the head's per-row bound on uncomputed logits)."""
+    raw = last.logits[:, p]
+    S = last.mask[:, p]
+    up = last.upper[:, p].double()
+    if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
+        up = up + up.abs() * torch.finfo(sess.out_dtype).eps
+    up = up + up.abs() * 4 * _U32  # (U + E was summed in float32)
+    bound = torch.where(S, torch.full_like(up, float("-inf")), up).amax(1)  # every token outside S is below
+    x = raw.double()
+    neg = torch.full_like(x, float("-inf"))
+    fin = torch.isfinite(x)
+    m = torch.where(fin, x, neg).amax(1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    out = ~S
+    t_s = torch.exp(torch.where(fin, x - m[:, None], neg))
+    t_o = torch.where(out, torch.exp((up - m[:, None]).clamp(max=700.0)), torch.zeros_like(up))
+    zs, R = t_s.sum(1), t_o.sum(1)
+    z_hi = zs + R
+    d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))
+    d_o = torch.where(out, (m[:, None] - up).clamp(min=0.0), torch.zeros_like(up))
+    C = _round_charge(t_s, d_s, z_hi) + _round_charge(t_o, d_o, z_hi) + 64 * _U32 * z_hi
+    rho = C / zs
+    lse_s = m + torch.log(zs)
+    lse_hi = m + torch.log(z_hi)
+    ok = (rho < 0.5) & torch.isfinite(lse_hi) & (zs > 0)
+    rho = torch.where(ok, rho, torch.zeros_like(rho))
+    a = (lse_hi + torch.log1p(rho))[:, None]
+    b = (lse_s + torch.log1p(-rho))[:, None]
+    s = 4 * _U32 * (x.abs() + lse_hi.abs()[:, None] + 1.0)
+    lo64 = torch.where(fin, x - a - s, neg)
+    hi64 = torch.where(fin, x - b + s, neg)
+    ob = bound - b[:, 0] + 4 * _U32 * (bound.abs() + lse_hi.abs() + 1.0)
+    # rows whose normalizer interval is not usable: every decision on them fails (hf_csv.beam restarts the call)
+    lo64 = torch.where(ok[:, None] & fin, lo64, torch.where(fin, torch.full_like(x, float("-inf")), neg))
+    hi64 = torch.where(ok[:, None] & fin, hi64, torch.where(fin, torch.full_like(x, float("inf")), neg))
+    ob = torch.where(ok, ob, torch.full_like(ob, float("inf")))
+    lo, hi = _f32_down(lo64), _f32_up(hi64)
+    for proc in sess.processors or ():
+        if proc is stop:
+            break
+        if not (isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False)):
+            lo, hi = proc(input_ids, lo), proc(input_ids, hi)
+    return lo, hi, _f32_up(ob)
 
 
 def _round_charge(t: torch.Tensor, d: torch.Tensor, z_hi: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ Per-call state lives in the :class:`~hf_csv.head.CSVSession` of the call, never 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Any, Callable
 
@@ -84,7 +85,9 @@ def instance_override(model: nn.Module, name: str, make: Callable[[Callable], Ca
     """Scoped instance-level override ``model.<name> = make(class method bound to model)``."""
 
     def install() -> Callable[[], None]:
-        model.__dict__[name] = make(getattr(type(model), name).__get__(model))
+        fn = getattr(type(model), name)
+        static = isinstance(inspect.getattr_static(type(model), name), staticmethod)
+        model.__dict__[name] = make(fn if static else fn.__get__(model))
         return lambda: model.__dict__.pop(name, None)
 
     return _shared(_OVERRIDES, (id(model), name), install)

@@ -168,6 +168,19 @@ def _case(i: int) -> dict:
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
     c["csv"] = {"mode": mode, "budget": rng.choice([0.05, 0.05, 0.5, 3])}
+    if kind == "beam":
+        # token-identical beam search (docs/certificates.md §3.10), with its own stream: other draws stay as they were
+        brng = random.Random(15485863 * i + 5)
+        c["csv"]["beam_search"] = "exact"
+        c["csv"]["budget"] = brng.choice([0.05, 0.5, 0.5, 3])  # a beam row's S holds all but ~1e-3 of its mass
+        if brng.random() < 0.3:
+            kw["num_beams"] = brng.choice([4, 5])
+        if brng.random() < 0.3:
+            kw["length_penalty"] = brng.choice([0.0, 0.6, 2.0])
+        if brng.random() < 0.3:
+            kw["early_stopping"] = brng.choice([True, "never"])
+        if brng.random() < 0.2:
+            kw["num_return_sequences"] = 2
     return c
 
 
@@ -342,3 +355,5 @@ def test_differential_summary(request):
     if n >= 200:
         expected = set(ARCHS) - (set() if torch.float32 in DTYPES else {"phi"})
         assert set(summary["by_arch"]) >= expected, summary["by_arch"]
+        # token-identical beam search decided some calls from its intervals
+        assert sum(r["kind"] == "beam" and r["mode"] == "beam_exact" for r in RESULTS) > 0, summary

@@ -1,0 +1,160 @@
+"""Token-identical beam search (``CSVConfig(beam_search="exact")``, docs/certificates.md §3.10).
+
+* outputs equal stock's on tiny models of four architectures, fp32 and bf16, batch 1 and 3 (left-padded), with the
+  lowering processors the certificate admits, length penalties and early-stopping settings;
+* the intervals contain stock's processed log-probs at every step (the soundness the decisions rest on);
+* an undecidable decision re-runs the call on the full head: stock's tokens, counted, with the reason;
+* a replay of stock's bookkeeping that does not match it bit for bit raises instead of decoding on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_csv
+import hf_csv.beam as hb
+import hf_csv.head as hh
+import hf_csv.processors as hp
+from hf_csv import CSVConfig
+from hf_csv.errors import CSVError
+
+from test_differential import _inputs, _model, _seqs
+
+EXACT = {"beam_search": "exact", "budget": 0.5}
+
+CASES = [
+    # (arch, dtype, num_beams, batch, extra generate kwargs)
+    ("llama", torch.float32, 2, 1, {}),
+    ("llama", torch.float32, 5, 3, {"repetition_penalty": 1.3}),
+    ("llama", torch.bfloat16, 3, 3, {"no_repeat_ngram_size": 2, "length_penalty": 0.0}),
+    ("qwen2", torch.float32, 4, 1, {"min_new_tokens": 3, "num_return_sequences": 2}),
+    ("qwen2", torch.bfloat16, 2, 3, {"early_stopping": True}),
+    ("gemma3", torch.float32, 3, 1, {"early_stopping": "never", "length_penalty": 2.0}),
+    ("gemma3", torch.bfloat16, 5, 1, {"bad_words_ids": [[5], [7]]}),
+    ("whisper", torch.float32, 5, 1, {}),
+    ("whisper", torch.float32, 3, 3, {"repetition_penalty": 1.3}),
+    ("whisper", torch.bfloat16, 2, 1, {}),
+]
+
+
+def _run(arch, dtype, nb, batch, extra, seed=1, **csv) -> tuple:
+    m = _model(arch, dtype, seed)
+    x = _inputs({"id": nb * 7 + batch, "arch": arch, "batch": batch}, m)
+    kw = dict(max_new_tokens=8, num_beams=nb, do_sample=False, **extra)
+    a = m.generate(**x, **kw)
+    b = m.generate(**x, **kw, csv_config=CSVConfig(**{**EXACT, **csv}))
+    return m, a, b, m.csv_last_stats
+
+
+RAN: list = []
+
+
+@pytest.mark.parametrize("arch,dtype,nb,batch,extra", CASES)
+def test_beam_exact_matches_stock(arch, dtype, nb, batch, extra):
+    m, a, b, st = _run(arch, dtype, nb, batch, extra)
+    assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"
+    if "beam" not in st:  # declined before decoding (e.g. Gemma-3's softcap): the reason says why
+        assert st["mode"] == "full" and any("post-head transform" in r for r in st["reasons"]), st["reasons"]
+        return
+    RAN.append(st)
+
+
+def test_beam_exact_certifies_some_calls():
+    """The cases above must not all have been re-run on the full head (declining everything is not success)."""
+    if not RAN:
+        pytest.skip("no beam case ran")
+    ok = [s for s in RAN if s["mode"] == "beam_exact" and s["beam"]["certified_steps"] > 0]
+    assert len(ok) >= len(RAN) // 3, [(s["mode"], s["beam"]) for s in RAN]
+
+
+def test_default_beam_search_uses_the_full_head():
+    m = _model("llama", torch.float32, 1)
+    x = _inputs({"id": 3, "arch": "llama", "batch": 1}, m)
+    a = m.generate(**x, max_new_tokens=4, num_beams=2)
+    b = m.generate(**x, max_new_tokens=4, num_beams=2, csv_config=CSVConfig())
+    st = m.csv_last_stats
+    assert torch.equal(a, b) and st["mode"] == "full"
+    assert any("beam_search='exact'" in r for r in st["reasons"])
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("whisper", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_intervals_contain_stock(monkeypatch, arch, dtype):
+    """At every certified step, stock's processed log-prob (stock's head on the step's hidden states, its
+    log_softmax, the call's processors) lies in [lo, hi] on the computed tokens and below ob elsewhere."""
+    checked = []
+    orig = hp.CSVLogitsProcessor._beam_box
+
+    def box(self, input_ids, scores, sess, last):
+        out = orig(self, input_ids, scores, sess, last)
+        st = sess.beam_step
+        if last is not None:
+            B, P, d = last.H.shape
+            p = last.position(input_ids.shape[1])
+            raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
+            ref = torch.log_softmax(raw.float(), dim=-1)
+            for proc in sess.processors:
+                if proc is self:
+                    break
+                ref = proc(input_ids, ref)
+            S = last.mask[:, p]
+            fin = torch.isfinite(ref) & S
+            assert bool((st.lo[fin] <= ref[fin]).all() and (ref[fin] <= st.hi[fin]).all())
+            off = ~S & torch.isfinite(ref)
+            if bool(off.any()):
+                assert bool((ref <= st.ob[:, None]).masked_select(off).all())
+            # rows whose stock mass outside S is not negligible: there the interval's R term is what contains stock
+            mass = torch.softmax(raw.float(), -1).masked_fill(S, 0).sum(1)
+            checked.append(int(((mass > 1e-5) & ~S.all(1)).sum()))
+        return out
+
+    monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
+    monkeypatch.setattr(hh, "BEAM_EPS", 0.3)  # leave real mass outside S, so that the R term of the interval is tested
+    for nb, batch in ((2, 1), (4, 3)):
+        _, a, b, _ = _run(arch, dtype, nb, batch, {"repetition_penalty": 1.2})
+        assert torch.equal(_seqs(a), _seqs(b))
+    assert sum(checked) >= 3, f"too few certified beam rows with mass outside S were checked: {checked}"
+
+
+def test_an_undecided_step_reruns_on_the_full_head(monkeypatch):
+    """Every top-k check fails: the call runs again on the full head, with stock's tokens and the reason."""
+    monkeypatch.setattr(hb, "_unique_top", lambda lo, hi, idx: torch.zeros(lo.shape[0], dtype=torch.bool))
+    m, a, b, st = _run("llama", torch.float32, 3, 3, {})
+    assert torch.equal(_seqs(a), _seqs(b))
+    assert st["mode"] == "full" and st["beam"]["restarts"] == 1 and st["beam"]["full_steps"] > 0
+    assert st["beam"]["certified_steps"] == 0
+    assert any("re-ran its beam search on the full head" in r for r in st["reasons"])
+
+
+def test_a_wrong_replay_of_stock_bookkeeping_raises(monkeypatch):
+    """hf_csv replays stock's arithmetic on the interval ends; if its replay of stock's values is not bit for bit
+    stock's (another transformers version, say), it refuses rather than certify the wrong computation."""
+    monkeypatch.setattr(hb, "_MASK", -2.0e9)
+    with pytest.raises(CSVError, match="differently from hf_csv's replay"):
+        _run("llama", torch.float32, 2, 1, {})
+
+
+def test_a_caller_cache_declines_the_certificate():
+    from transformers import DynamicCache
+
+    m = _model("llama", torch.float32, 1)
+    x = _inputs({"id": 3, "arch": "llama", "batch": 1}, m)
+    out = m.generate(**x, max_new_tokens=3, num_beams=2, past_key_values=DynamicCache(),
+                     csv_config=CSVConfig(**EXACT))
+    st = m.csv_last_stats
+    assert out.shape[1] == x["input_ids"].shape[1] + 3
+    assert st["mode"] == "full" and any("cache passed by the caller" in r for r in st["reasons"])
+
+
+def test_unsupported_processors_decline():
+    m = _model("llama", torch.float32, 1)
+    x = _inputs({"id": 3, "arch": "llama", "batch": 1}, m)
+    m.generate(**x, max_new_tokens=3, num_beams=2, renormalize_logits=True, csv_config=CSVConfig(**EXACT))
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("LogitNormalization" in r for r in st["reasons"]), st["reasons"]
+
+
+def test_config_rejects_unknown_beam_search():
+    with pytest.raises(ValueError, match="beam_search"):
+        CSVConfig(beam_search="fast")
+    assert hf_csv.CSVConfig(beam_search="exact").beam_search == "exact"
