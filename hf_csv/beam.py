@@ -100,7 +100,9 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def _stats(sess: CSVSession) -> dict:
     st = sess.extra.setdefault("beam", {})
-    for k in ("certified_steps", "full_steps", "restarts", "aborted_steps", "aborted_rows"):
+    # certified_steps: steps decided by the checks (subvocab_steps of them had a sub-vocabulary row; the others only
+    # stock's rows); full_steps: steps of beam searches re-run on the full head; aborted_*: work of the runs re-run
+    for k in ("certified_steps", "subvocab_steps", "full_steps", "restarts", "aborted_steps", "aborted_rows"):
         st.setdefault(k, 0)
     return st
 
@@ -142,6 +144,7 @@ def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
             raise BeamUncertified("beam search: the top-k continuations are within the certified width")
         st.topk = (lo.gather(1, idx), hi.gather(1, idx))
         _stats(sess)["certified_steps"] += 1
+        _stats(sess)["subvocab_steps"] += int(step.subvocab)
         return out
 
     return _get_top_k_continuations

@@ -137,7 +137,7 @@ def _beam_restart(sess: CSVSession, why: str) -> None:
     st["restarts"] = st.get("restarts", 0) + 1
     st["aborted_steps"] = st.get("aborted_steps", 0) + st.get("certified_steps", 0)
     st["aborted_rows"] = st.get("aborted_rows", 0) + sess.stats.rows
-    st["certified_steps"] = 0
+    st["certified_steps"] = st["subvocab_steps"] = 0
     sess.stats = type(sess.stats)()  # the returned tokens come from the re-run: its rows are what count
     sess.beam_step = sess.beam_state = None
     sess.last = None

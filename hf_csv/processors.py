@@ -223,12 +223,12 @@ class CSVLogitsProcessor(LogitsProcessor):
                            "report this (generate without csv_config meanwhile)")
         x = scores.float()
         if last is None:  # the head call used the full head: stock's row, exactly
-            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")))
+            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
             return scores
         p = last.position(input_ids.shape[1])
         complete = last.mask[:, p].all(1)
         if bool(complete.all()):  # every row over the budget: the head returned stock's rows
-            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")))
+            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
             return scores
         lo, hi, ob = beam_logprob_box(sess, input_ids, last, p, stop=self)
         lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
@@ -383,6 +383,7 @@ class BeamStep:
     hi: torch.Tensor
     rep: torch.Tensor
     ob: torch.Tensor
+    subvocab: bool = True  # some row is a sub-vocabulary row (False: every row is stock's, the step is exact)
 
 
 def _f32_down(x: torch.Tensor) -> torch.Tensor:

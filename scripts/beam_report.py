@@ -103,6 +103,7 @@ def main() -> None:
            "identical": all(r["identical"] for r in rows),
            "speedup_median": statistics.median(r["ratio"] for r in rows),
            "beam_steps": steps, "certified_steps": sum(r["beam"].get("certified_steps", 0) for r in rows),
+           "subvocab_steps": sum(r["beam"].get("subvocab_steps", 0) for r in rows),
            "restarts": sum(r["beam"].get("restarts", 0) for r in rows),
            "head_rows": sum(r["head_rows"] for r in rows),
            "head_rows_certified": sum(r["head_rows_certified"] for r in rows),

@@ -65,6 +65,8 @@ def test_beam_exact_certifies_some_calls():
         pytest.skip("no beam case ran")
     ok = [s for s in RAN if s["mode"] == "beam_exact" and s["beam"]["certified_steps"] > 0]
     assert len(ok) >= len(RAN) // 3, [(s["mode"], s["beam"]) for s in RAN]
+    # ... and some steps were decided from the intervals of sub-vocabulary rows, not only from stock's rows
+    assert sum(s["beam"]["subvocab_steps"] for s in ok) >= 5, [(s["mode"], s["beam"]) for s in RAN]
 
 
 def test_default_beam_search_uses_the_full_head():
