@@ -49,8 +49,12 @@ def _run(arch, dtype, nb, batch, extra, seed=1, **csv) -> tuple:
 RAN: list = []
 
 
+@pytest.mark.parametrize("eps", [1e-3, 0.05, 0.5])
 @pytest.mark.parametrize("arch,dtype,nb,batch,extra", CASES)
-def test_beam_exact_matches_stock(arch, dtype, nb, batch, extra):
+def test_beam_exact_matches_stock(monkeypatch, arch, dtype, nb, batch, extra, eps):
+    # eps: how much of a row's mass S may leave out (hf_csv.head.BEAM_EPS). The tiny heads put most rows over the
+    # budget at the default 1e-3; at 0.05 the decisions are taken from the intervals of sub-vocabulary rows
+    monkeypatch.setattr(hh, "BEAM_EPS", eps)
     m, a, b, st = _run(arch, dtype, nb, batch, extra)
     assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"
     if "beam" not in st:  # declined before decoding (e.g. Gemma-3's softcap): the reason says why
@@ -66,7 +70,7 @@ def test_beam_exact_certifies_some_calls():
     ok = [s for s in RAN if s["mode"] == "beam_exact" and s["beam"]["certified_steps"] > 0]
     assert len(ok) >= len(RAN) // 3, [(s["mode"], s["beam"]) for s in RAN]
     # ... and some steps were decided from the intervals of sub-vocabulary rows, not only from stock's rows
-    assert sum(s["beam"]["subvocab_steps"] for s in ok) >= 5, [(s["mode"], s["beam"]) for s in RAN]
+    assert sum(s["beam"]["subvocab_steps"] for s in ok) >= 5, [(s["mode"], s["beam"]["subvocab_steps"], s.get("fallback")) for s in RAN]
 
 
 def test_default_beam_search_uses_the_full_head():
@@ -160,3 +164,92 @@ def test_config_rejects_unknown_beam_search():
     with pytest.raises(ValueError, match="beam_search"):
         CSVConfig(beam_search="fast")
     assert hf_csv.CSVConfig(beam_search="exact").beam_search == "exact"
+
+
+
+# ---------------------------------------------------------------- the decisions, on crafted intervals
+def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
+    """Run hf_csv's top-k wrapper on one crafted step (batch 1): rows are per beam, rbs the running scores."""
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_csv.head import CSVSession, _ACTIVE
+    from hf_csv.processors import BeamStep
+
+    m = _model("llama", torch.float32, 1)
+    nb, V = rep_rows.shape
+    sess = CSVSession(model=m, config=CSVConfig(**EXACT), head=None, out_dtype=torch.float32, mode="beam_exact")
+    sess.beam_step = BeamStep(lo=lo_rows, hi=hi_rows, rep=rep_rows, ob=ob)
+    r = torch.tensor([rbs], dtype=torch.float32)
+    sess.beam_state = hb._State(rbs=(r, r, r), fin=(torch.full((1, nb), -1e9),) * 2)
+    wrapped = hb._top_k_continuations(m, GenerationMixin._get_top_k_continuations.__get__(m))
+    acc = (rep_rows + r[0][:, None]).view(1, -1)
+    seqs = torch.zeros(1, nb, 6, dtype=torch.long)
+    token = _ACTIVE.set({id(m): sess})
+    try:
+        return wrapped(accumulated_log_probs=acc, running_sequences=seqs,
+                       running_beam_indices=torch.full((1, nb, 4), -1, dtype=torch.int32), cur_len=3,
+                       decoder_prompt_len=2, do_sample=False, beams_to_keep=K, num_beams=nb, batch_size=1)
+    finally:
+        _ACTIVE.reset(token)
+
+
+REP = torch.tensor([[-0.1, -2.0, -3.0, -4.0], [-0.2, -2.5, -3.2, -5.0]])
+NO_OFF = torch.full((2,), float("-inf"))
+
+
+def test_topk_decision_separated_intervals_pass():
+    lo, hi = REP - torch.tensor([[0.0], [0.1]]), REP.clone()  # beam 1 known to 0.1
+    vals, _, _ = _topk_call(lo, hi, REP, NO_OFF, [-1.0, -1.05], K=4)
+    assert vals.tolist() == [[-1.100000023841858, -1.25, -3.0, -3.549999952316284]]
+
+
+def test_topk_decision_overlapping_intervals_raise():
+    lo, hi = REP.clone(), REP + torch.tensor([[0.0], [0.3]])  # beam 1's first candidate may beat beam 0's
+    with pytest.raises(hb.BeamUncertified):
+        _topk_call(lo, hi, REP, NO_OFF, [-1.0, -1.05], K=4)
+
+
+def test_topk_decision_an_uncomputed_token_that_may_enter_raises():
+    ob = torch.tensor([-2.5, float("-inf")])  # beam 0 may hide a token at -2.5 + -1.0 > the 4th candidate
+    with pytest.raises(hb.BeamUncertified):
+        _topk_call(REP.clone(), REP.clone(), REP, ob, [-1.0, -1.05], K=4)
+    _topk_call(REP.clone(), REP.clone(), REP, torch.tensor([-2.6, -9.0]), [-1.0, -1.05], K=4)  # below it: fine
+
+
+def test_small_vector_decisions():
+    lo = torch.tensor([[-1.0, -1e9, -1e9, -2.0]])
+    hi = lo.clone()
+    hb._certify_topk(lo, hi, torch.tensor([[0, 3, 1]]), "x", small=True)  # exact ties at -1e9: order-isomorphic
+    hi2 = hi.clone()
+    hi2[0, 3] = -0.9  # the third entry may now beat the first
+    with pytest.raises(hb.BeamUncertified):
+        hb._certify_topk(lo, hi2, torch.tensor([[0, 3, 1]]), "x", small=True)
+    lo3, hi3 = lo.clone(), hi.clone()
+    lo3[0, 1], hi3[0, 1] = -1e9 - 64.0, -1e9  # an inexact entry tied with an exact one, inside the selection
+    with pytest.raises(hb.BeamUncertified):
+        hb._certify_topk(lo3, hi3, torch.tensor([[0, 3, 1]]), "x", small=True)
+
+
+@pytest.mark.parametrize("arch,dtype,nb,batch,extra", [CASES[1], CASES[2], CASES[3], CASES[8]])
+def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, batch, extra):
+    """The certificate's claim: every value in the intervals gives stock's decisions. So stock's bookkeeping run on
+    the box's *ends* (rows alternately at lo and hi, a poor representative on purpose) must still return stock's
+    tokens, or re-run the call. (On these tiny heads the decisions are far apart, so this holds even without the
+    checks; the crafted tests above are the ones that fail when a check is removed.)"""
+    orig = hp.CSVLogitsProcessor._beam_box
+
+    def box(self, input_ids, scores, sess, last):
+        out = orig(self, input_ids, scores, sess, last)
+        st = sess.beam_step
+        if not st.subvocab:
+            return out
+        odd = (torch.arange(st.lo.shape[0]) % 2 == 1)[:, None]
+        rep = torch.where(odd, st.hi, st.lo)
+        rep = torch.where(torch.isfinite(rep), rep, st.rep)  # (rows whose interval is unbounded keep theirs)
+        st.rep = rep
+        return rep.to(out.dtype)
+
+    monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
+    monkeypatch.setattr(hh, "BEAM_EPS", 0.5)
+    m, a, b, st = _run(arch, dtype, nb, batch, extra)
+    assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"
