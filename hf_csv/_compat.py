@@ -6,6 +6,11 @@ hf_csv touches transformers at these documented points only (docs/processors.md,
   (instance-level overrides: stock result first, then hf_csv inspects it);
 * ``GenerationMixin._valid_auto_compile_criteria`` (instance-level override, stock answer first: when the
   decode forward is compiled, which head the graph traces; 4.57 and 5.x share its signature);
+* ``GenerationMixin._get_top_k_continuations`` / ``_get_running_beams_for_next_iteration`` /
+  ``_update_finished_beams`` / ``_check_early_stop_heuristic`` (instance-level wrappers, ``beam_search="exact"``
+  only, stock result first; hf_csv.beam replays stock's score arithmetic on the interval ends and checks its replay
+  bit for bit against stock's result on every call, so a version whose bookkeeping differs raises instead of
+  certifying: 4.57 and 5.20–5.23 have the same helpers, keyword-called the same way);
 * the model's output head module (``lm_head`` / ``proj_out``) swapped for the call;
 * the module global ``transformers.generation.utils._speculative_sampling`` (assisted sampling).
 

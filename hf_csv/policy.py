@@ -147,9 +147,9 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
                 "head, which needs a fresh cache")
     if session.extra.get("_beam_restart"):
         return session.extra["_beam_restart"]
-    other = sorted({type(p).__name__ for p in processors
-                    if classify_processor(p) != "csv" and type(p).__name__ not in _BEAM_PROCESSORS
-                    or (classify_processor(p) == "full")})
+    # (an admitted name can still classify "full": a repetition penalty < 1 or a positive sequence bias raises scores)
+    other = sorted({type(p).__name__ for p in processors if classify_processor(p) != "csv"
+                    and (type(p).__name__ not in _BEAM_PROCESSORS or classify_processor(p) == "full")})
     if other:
         return f"beam search with processors {other} (token-identical beam search takes per-token lowering ones)"
     return None
