@@ -444,14 +444,10 @@ def _guard_record(sess: CSVSession, guard: Any, gkey: tuple, certified: bool, se
     of each side includes what the processor does for it: the certificate's check on a certified row, stock's
     warper on a full one (nucleus mode replaces stock's top-p warper, whose sort over V costs about a third of
     SmolLM2's head). The guard then compares whole steps, not head calls (hf_csv.speed)."""
+    sess.guard_pending = (guard, gkey, certified, seconds)
     one = hidden.dim() < 3 or hidden.shape[-2] == 1
-    if sess.verify and one and not (sess.assisted or sess.draft):
-        sess.guard_pending = (guard, gkey, certified, seconds)
-        return
-    guard.record(gkey, certified, seconds)
-    summ = guard.summary(gkey)
-    if summ is not None:
-        sess.extra["speed_guard"] = summ
+    if not (sess.verify and one and not (sess.assisted or sess.draft)):
+        flush_guard(sess)  # no processor step completes this one: record the head call alone
 
 
 def flush_guard(sess: CSVSession, extra_seconds: float = 0.0) -> None:

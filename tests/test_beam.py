@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -184,11 +186,14 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
     wrapped = hb._top_k_continuations(m, GenerationMixin._get_top_k_continuations.__get__(m))
     acc = (rep_rows + r[0][:, None]).view(1, -1)
     seqs = torch.zeros(1, nb, 6, dtype=torch.long)
+    extra = {}
+    if "vocab_size" in inspect.signature(GenerationMixin._get_top_k_continuations).parameters:
+        extra["vocab_size"] = V  # (transformers 4.57 passes it; 5.x derives it)
     token = _ACTIVE.set({id(m): sess})
     try:
         return wrapped(accumulated_log_probs=acc, running_sequences=seqs,
                        running_beam_indices=torch.full((1, nb, 4), -1, dtype=torch.int32), cur_len=3,
-                       decoder_prompt_len=2, do_sample=False, beams_to_keep=K, num_beams=nb, batch_size=1)
+                       decoder_prompt_len=2, do_sample=False, beams_to_keep=K, num_beams=nb, batch_size=1, **extra)
     finally:
         _ACTIVE.reset(token)
 
