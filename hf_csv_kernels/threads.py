@@ -67,7 +67,9 @@ class ThreadTuner:
     whichever the recent *mean* says is faster (the mean, not the median: under load the many-thread
     runs are fast most of the time and stall now and then, and the stalls are what users wait for).
     The caller's count must beat one thread by ``margin`` to be kept. Probes the other count every
-    ``probe`` calls (doubling up to ``max_probe`` while the choice holds). Thread-safe bookkeeping."""
+    ``probe`` calls (doubling up to ``max_probe`` while the choice holds), with three fresh calls in a row
+    that replace its window, so a choice made under a passing load is undone at the next probe.
+    Thread-safe bookkeeping."""
 
     def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):
         self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
@@ -99,7 +101,13 @@ class ThreadTuner:
             if short:  # warm up both counts, alternating
                 return short[0] if len(times[T]) == len(times[1]) else min((T, 1), key=lambda a: len(times[a]))
             if st["n"] % st["probe"] == 0:
-                return 1 if st["best"] == T else T
+                # A probe starts the other count's window afresh: its old samples may date from a load or a
+                # background pack long gone, and one fresh sample a probe apart would take several probes (up
+                # to max_probe calls each) to outvote them. The warm-up branch above then runs it three
+                # times in a row, and the comparison is between recent means on both sides.
+                other = 1 if st["best"] == T else T
+                times[other].clear()
+                return other
             return st["best"]
 
     def _record(self, key, n: int, T: int, dt: float) -> None:
