@@ -5,7 +5,8 @@ half the bytes by stock's GEMV, a small head is dominated by fixed per-call cost
 both sides. So each certified head keeps, per (mode, batch rows, dtype, threads), the recent mean time of
 its certified calls and of full-head calls, and runs the full head while that is faster, probing the
 other side now and then (every 16 calls, doubling to 128 while the choice holds; at once 128 when the
-certified head is more than 1.5× faster). Both sides are exact;
+certified head is more than 1.5× faster), each probe a few calls in a row that replace that side's samples, so a
+choice made under a passing load is undone at the next probe. Both sides are exact;
 this only picks the faster. The choice is reported in the call's stats (``speed_guard``).
 
 What is timed is the step's work that differs between the two sides: the head call, plus, when hf_csv's
@@ -53,7 +54,13 @@ class SpeedGuard:
             if len(st["f"]) < 2:
                 return False
             if st["n"] % st["probe"] == 0:
-                return st["best"] != "c"
+                # A probe measures the other side afresh: its old samples may date from a passing load, the
+                # screen's background pack or a run of flat rows, and one new sample a probe apart would take
+                # several probes (up to max_probe calls each) to outvote them. Emptying its window makes the
+                # warm-up branches above run it again (3 certified or 2 full calls in a row).
+                other = "f" if st["best"] == "c" else "c"
+                st[other].clear()
+                return other == "c"
             return st["best"] == "c"
 
     def record(self, key, certified: bool, seconds: float) -> None:

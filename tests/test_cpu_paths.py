@@ -222,11 +222,30 @@ def test_speed_guard_unit():
         picks.append(c)
         g.record("k", c, 0.005 if c else 0.001)
     assert g.summary("k")["choice"] == "full"
-    assert 0 < sum(picks[20:]) <= 40 // 4  # mostly full, still probing
+    assert 0 < sum(picks[20:]) <= 40 * 3 // 8  # mostly full, still probing (3 calls, max_probe = 8 apart)
     for _ in range(60):  # now the certified head is faster
         c = g.certified("k")
         g.record("k", c, 0.001 if c else 0.005)
     assert g.summary("k")["choice"] == "certified"
+
+
+def test_speed_guard_forgets_a_passing_slowdown_at_the_next_probe():
+    """The certified head slowed for a while (a load, the screen's background pack) must win again at the next
+    probe once it is fast: with its old samples kept, the guard needed several probes, up to 128 calls apart."""
+    from hf_csv.speed import SpeedGuard
+
+    g = SpeedGuard()  # the defaults: window 6, probe 16 doubling to 128
+    for _ in range(600):  # slowed: certified 30 ms, full 20 ms
+        c = g.certified("k")
+        g.record("k", c, 0.030 if c else 0.020)
+    assert g.summary("k")["choice"] == "full"
+    switched = None
+    for i in range(160):  # fast again: certified 8 ms
+        c = g.certified("k")
+        g.record("k", c, 0.008 if c else 0.020)
+        if switched is None and g.summary("k")["choice"] == "certified":
+            switched = i
+    assert switched is not None and switched <= 130, switched
 
 
 def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
