@@ -59,7 +59,7 @@ def processors(s: dict) -> LogitsProcessorList:
 
 
 def optimal_agreement(p: torch.Tensor, q: torch.Tensor) -> float:
-    return float(torch.minimum(p, q).sum())
+    return float(torch.minimum(p.double(), q.double()).sum())
 
 
 def gumbel_agreement(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -134,11 +134,11 @@ def main() -> None:
             po, pg = [], []
             for t in range(n0 - 1, seq.shape[1] - 1):  # the row that predicts token t + 1
                 prefix = seq[:, : t + 1]
-                p = torch.softmax(procs(prefix, lt[t: t + 1, :V].clone())[0], -1)
-                q = torch.softmax(procs(prefix, ld[t: t + 1, :V].clone())[0], -1)
+                p = torch.softmax(procs(prefix, lt[t: t + 1, :V].clone())[0].double(), -1)  # float64 laws: the
+                q = torch.softmax(procs(prefix, ld[t: t + 1, :V].clone())[0].double(), -1)  # inequality to ~1e-12
                 po.append(optimal_agreement(p, q))
                 pg.append(gumbel_agreement(p, q))
-                if len(mc) < args.mc_rows and t == n0 - 1 + 3 * len(mc):
+                if len(mc) < args.mc_rows and po[-1] < 0.99:  # an informative row (not a sure agreement)
                     mc.append({"formula": pg[-1], "monte_carlo": gumbel_agreement_mc(p, q, args.mc_draws, gen),
                                "draws": args.mc_draws, "optimal": po[-1]})
             a_opt += po
@@ -154,7 +154,8 @@ def main() -> None:
             "positions": len(a_opt), "agreement_optimal_mean": statistics.fmean(a_opt),
             "agreement_gumbel_mean": statistics.fmean(a_g),
             "gumbel_over_optimal": statistics.fmean(a_g) / statistics.fmean(a_opt),
-            "positions_gumbel_above_optimal": sum(g > o + 1e-12 for g, o in zip(a_g, a_opt)),
+            # impossible in exact arithmetic; float64 sums of float32 laws agree to ~1e-9
+            "positions_gumbel_above_optimal": sum(g > o + 1e-9 for g, o in zip(a_g, a_opt)),
             "expected_accepted_per_round": ks, "monte_carlo_check": mc,
         }
         print(name, json.dumps(res["settings"][name], indent=1))
