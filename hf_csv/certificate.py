@@ -116,7 +116,7 @@ class CertifiedHead:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  provider: Union[str, BoundProvider] = "screen", index: Union[VocabIndex, str, None] = None,
-                 budget: Union[int, float] = 0.05, **provider_kwargs):
+                 budget: Union[int, float] = 0.125, **provider_kwargs):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"head weight must be a floating [V, d] tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight.detach()

@@ -40,7 +40,10 @@ class CSVConfig:
         provider: bound provider, ``"screen"`` (certified int8 screen; needs no index) or
             ``"cluster"`` (needs ``index``).
         budget: max sub-vocabulary size before a row falls back to the full head: an int, or a
-            fraction of V in (0, 1].
+            fraction of V in (0, 1]. Speed only: a row with a larger S is exact either way. The default, V/8,
+            is where one dense GEMM starts to beat gathering S's columns; a lower budget sent flat rows of
+            multi-row calls (the target's verify in assisted sampling) to the full head for the whole call
+            (docs/benchmarks.md §3).
         index: a :class:`hf_csv.VocabIndex`, a local directory or a Hub repo id; ``None`` is fine
             for the screen provider.
         revision: Hub revision of ``index`` when it is a repo id.
@@ -82,7 +85,7 @@ class CSVConfig:
     epsilon: float = 1e-3
     beam_epsilon: float = 1e-6
     provider: str = "screen"
-    budget: Union[int, float] = 0.05
+    budget: Union[int, float] = 0.125
     index: Any = None
     revision: Optional[str] = None
     stats: bool = True
