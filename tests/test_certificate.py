@@ -96,6 +96,32 @@ def test_budget_fallback_is_exact_and_counted():
     assert torch.isfinite(res.logits[res.mask.all(1)]).all()
 
 
+def test_default_budget_certifies_rows_up_to_an_eighth_of_v():
+    """The default budget is V/8 (speed only). A multi-row call with one row whose S holds 5-12.5 % of V is certified
+    as a whole with the default, with stock's top-k values on every row, where a 5 % budget sends that row to the
+    full head (and, in a real head, the whole call through the full GEMM: docs/benchmarks.md §3)."""
+    g = torch.Generator().manual_seed(0)
+    V, d, k, m = 4000, 32, 20, 320  # a cluster of m = 8 % of V near-equal rows: a flat top, |S| ~ m
+    W = torch.randn(V, d, generator=g)
+    w0 = torch.randn(d, generator=g)
+    W[:m] = w0 + 1e-3 * torch.randn(m, d, generator=g)
+    base = 2 * w0[None]
+    n = int(CertifiedHead(W, budget=1.0).topk(base, k).mask.sum())
+    assert 0.05 * V < n <= V // 8, n
+    H = torch.cat([base, torch.randn(2, d, generator=g) * 4])
+    ch = CertifiedHead(W)
+    assert ch.budget == math.ceil(V / 8)
+    res = ch.topk(H, k)
+    assert res.stats.fallback == 0 and res.stats.certified == 3
+    assert not bool(res.mask[0].all())  # the flat row kept its own S (not the full row)
+    ref = ch.stock(H)
+    top = ref.topk(k, dim=1)
+    assert torch.equal(res.logits.topk(k, dim=1).indices.sort(1).values, top.indices.sort(1).values)
+    assert torch.equal(res.logits.gather(1, top.indices), top.values)
+    low = CertifiedHead(W, budget=0.05).topk(H, k)
+    assert low.stats.fallback == 1 and bool(low.mask[0].all())
+
+
 def test_nonfinite_hidden_state_falls_back_counted():
     W = torch.randn(100, 8)
     H = torch.randn(3, 8)
