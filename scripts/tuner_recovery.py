@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_csv
 from hf_csv.certificate import CertifiedHead
+
+from _load import cpu_load  # scripts/ is on sys.path when run as a script
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 
@@ -51,15 +51,11 @@ def main() -> None:
     key = (("_topk", 1), args.threads)
     for r in rows * 2:
         ch.topk(r)
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with cpu_load(1):  # the passing load: one busy process, stopped after load_s seconds
         t0, n_load = time.perf_counter(), 0
         while time.perf_counter() - t0 < args.load_s:
             ch.topk(rows[n_load % len(rows)])
             n_load += 1
-    finally:
-        spin.kill()
-        spin.wait()
     choice_load = ch._tuner.choice(key)
     picks, ts = [], []
     for i in range(args.after):
