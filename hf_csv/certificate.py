@@ -27,6 +27,7 @@ from hf_csv_kernels.threads import ThreadTuner, caller_threads, rows_bucket
 from hf_csv_kernels.verify import gumbel_noise
 
 from .bounds import BoundProvider, make_provider
+from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 
 __all__ = ["CertStats", "CertResult", "CertifiedHead"]
@@ -116,7 +117,7 @@ class CertifiedHead:
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  provider: Union[str, BoundProvider] = "screen", index: Union[VocabIndex, str, None] = None,
-                 budget: Union[int, float] = 0.125, **provider_kwargs):
+                 budget: Union[int, float] = DEFAULT_BUDGET, **provider_kwargs):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"head weight must be a floating [V, d] tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight.detach()
@@ -146,7 +147,7 @@ class CertifiedHead:
         self._l1_max = float(self._abs_l1.max()) * (1 + 1e-6)
         self._b_max = float(self.bias.abs().max()) * (1 + 1e-6) if self.bias is not None else 0.0
         # rows with more candidates than this are recomputed with the dense GEMM, then masked
-        self._dense_cutoff = max(1, self.vocab_size // 8)
+        self._dense_cutoff = max(1, int(self.vocab_size * DEFAULT_BUDGET))
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" else None
 

@@ -12,7 +12,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-__all__ = ["CSVConfig", "MODES", "PROVIDERS"]
+__all__ = ["CSVConfig", "MODES", "PROVIDERS", "DEFAULT_BUDGET"]
+
+# The fraction of V past which computing a row's candidate set S through a gather of its columns costs more than one
+# dense GEMM of the whole head (measured, docs/benchmarks.md §3): the default ``budget`` of every certified head, and
+# the cutoff past which a row within the budget is computed densely (hf_csv.certificate).
+DEFAULT_BUDGET = 0.125
 
 MODES = ("auto", "topk", "sample", "epsilon")
 PROVIDERS = ("screen", "cluster")
@@ -85,7 +90,7 @@ class CSVConfig:
     epsilon: float = 1e-3
     beam_epsilon: float = 1e-6
     provider: str = "screen"
-    budget: Union[int, float] = 0.125
+    budget: Union[int, float] = DEFAULT_BUDGET
     index: Any = None
     revision: Optional[str] = None
     stats: bool = True

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .certificate import CertifiedHead, CertResult, CertStats
+from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class VocabParallelHead:
     bounds_uncomputed = False  # CertResult.bound is not provided: calls that need the per-row check decline
 
     def __init__(self, weight_rows: torch.Tensor, token_ids: torch.Tensor, vocab_size: int,
-                 bias_rows: Optional[torch.Tensor] = None, budget: Union[int, float] = 0.125, group=None,
+                 bias_rows: Optional[torch.Tensor] = None, budget: Union[int, float] = DEFAULT_BUDGET, group=None,
                  num_outliers: int = 16):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("VocabParallelHead needs an initialized torch.distributed process group")
