@@ -613,6 +613,44 @@ def _cut(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tenso
     return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
 
 
+def _cut_order(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_cut` that also survives any later float32 map x -> fl(x·c) or fl(x/c) (c > 0; transformers'
+    temperature warper, in any of its implementations): every token with U_i < t has a stock logit x_i (in d)
+    whose processed value is *strictly* below the processed value of round_d(lo), whatever the kernel that
+    processes them (docs/certificates.md §3.9).
+
+    Such a map is monotone with relative error at most 3u (u = 2^-24: one rounding of 1/c, one of the product),
+    while the result is a normal number. The cap b <= L − 8u|L|, L = round_d(lo), then gives fl(b·/c) < fl(L·/c):
+    for L > 0, (1 − 8u)(1 + 3u) < 1 − 3u, and for L < 0, (1 + 8u)(1 − 3u) > 1 + 3u. Rows where |L|/c is outside
+    [2^-100, 2^100] (subnormal or overflowing results, and L = 0) get t = -inf, b = inf (not certified: the caller
+    treats them as full rows), as do rows with a non-finite lo. ``temperature`` is c.
+    """
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    L = lo if d == torch.float32 else lo.to(d).float()
+    cap = L.double() * (1.0 - 8.0 * 2.0 ** -24 * torch.sign(L.double()))  # L − 8u|L|, exact enough in fp64
+    cap = _f32_floor(cap)  # largest fp32 <= cap
+    if d == torch.float32:
+        b = cap
+        edge = torch.nextafter(b, torch.full_like(b, float("inf")))  # x < edge  <=>  x <= b
+    else:
+        r = cap.to(d)
+        r = torch.where(r.float() > cap, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
+        s = torch.nextafter(r, torch.full_like(r, float("inf")))
+        b = r.float()
+        edge = (b + s.float()) / 2  # exact in fp32: x < edge gives round_d(x) <= b
+    t = _down(edge - E, 2)
+    mag = L.double().abs() / temperature
+    ok = torch.isfinite(t) & torch.isfinite(b) & (mag >= 2.0 ** -100) & (mag <= 2.0 ** 100)
+    return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
+
+
+def _f32_floor(x: torch.Tensor) -> torch.Tensor:
+    """The largest float32 <= x (float64 input), as float32."""
+    y = x.float()
+    return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+
+
 def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor:
     """Per-row two largest of the sparse (row, value) pairs, -inf where a row has fewer: [N, 2]."""
     out = torch.full((N, 2), float("-inf"), dtype=vals.dtype, device=vals.device)

@@ -83,7 +83,8 @@ class CSVConfig:
         compile_capacity: inside a compiled forward (``cache_implementation="static"`` with transformers'
             auto-compile), the static candidate capacity C of the certified head: a row whose certified set
             has more than C tokens takes the full head there (decided on the device, no graph break).
-            Larger C: more rows certified, more work per certified row (docs/certificates.md §3.9).
+            Larger C: more rows certified, more work per certified row (docs/certificates.md §3.9). A sampled
+            call with ``top_k=K`` uses at least 40·K (a certified top-K set is about ten times K on real heads).
     """
 
     mode: str = "auto"

@@ -510,15 +510,19 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
 # (folded into the static head's certificate), and one that fires only at the first generated step (the eager
 # prefill; CSVLogitsProcessor checks that it never fires on a compiled step)
 _STATIC_LOWER = {"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor"}
+# a compiled sampled call with top_k = K gets a candidate capacity of at least this many times K
+_SAMPLED_CAPACITY = 40
 
 
 def decide_compiled(session: CSVSession) -> Any:
     """The plan of a call whose decode steps transformers runs through a compiled forward (static cache).
 
     Inside a compiled graph no per-step Python runs: no stash for :class:`CSVLogitsProcessor`'s check, no
-    re-run. So only greedy calls whose check is not needed there get a static certified head
-    (:class:`hf_csv.static.StaticTopK`, docs/certificates.md §3.9): no lowering processor other than Whisper's
-    suppress lists, an identity post-head map, a screen head without a bias. Every other call uses the full head
+    re-run. So only calls whose check is not needed there get a static certified head
+    (:class:`hf_csv.static.StaticTopK`, docs/certificates.md §3.9): greedy calls, and sampled calls whose single
+    top-k warper has at most a temperature warper before it (the cut is made strict after the temperature, so every
+    later warper and the sampler see stock's vector); no lowering processor other than Whisper's suppress lists
+    before the top-k, an identity post-head map, a screen head without a bias. Every other call uses the full head
     (in the graph and out of it), with the reason logged. Returns the plan, or ``None`` after ``set_full``.
     """
     if session.mode == "full":
@@ -527,9 +531,18 @@ def decide_compiled(session: CSVSession) -> Any:
     ch = session.head
     rows = getattr(getattr(ch, "provider", None), "rows", None)
     procs = [p for p in session.processors or () if getattr(p, "csv_kind", None) != "csv"]
-    lowering = sorted({type(p).__name__ for p in procs if classify_processor(p) == "lower"} - _STATIC_LOWER)
-    if session.mode != "topk" or session.k != 1 or session.always or session.lp_record:
+    topk_proc = session.check_after if session.mode == "topk" else None
+    sampled = topk_proc is not None and classify_processor(topk_proc) == "topk" and any(p is topk_proc for p in procs)
+    # sampled: what runs before the top-k warper is what the certificate must survive; after it, stock's vector
+    before = procs[:next(i for i, p in enumerate(procs) if p is topk_proc)] if sampled else procs
+    lowering = sorted({type(p).__name__ for p in before if classify_processor(p) == "lower"} - _STATIC_LOWER)
+    temps = [p for p in before if classify_processor(p) == "order"]
+    k = max(int(session.k), int(getattr(topk_proc, "top_k", 0))) if sampled else 1
+    if session.mode != "topk" or (session.k != 1 and not sampled) or session.always or session.lp_record or (
+            session.draw_after or session.check_before is not None or session.check_replaces is not None):
         why = f"mode {session.mode!r} (k={session.k}) with its per-step check"
+    elif sampled and (len(temps) > 1 or any(type(p).__name__ != "TemperatureLogitsWarper" for p in temps)):
+        why = f"the order processors {[type(p).__name__ for p in temps]} before the top-k warper"
     elif lowering:
         why = f"the lowering processors {lowering} with their per-step check"
     elif not session.post.identity:
@@ -545,15 +558,18 @@ def decide_compiled(session: CSVSession) -> Any:
         return None
     sup = sorted({int(t) for p in procs if type(p).__name__ == "SuppressTokensLogitsProcessor"
                   for t in p.suppress_tokens.reshape(-1).tolist() if 0 <= int(t) < ch.vocab_size})
-    C = min(session.config.compile_capacity, ch.vocab_size - 1 - len(sup))
-    if C < 1:
+    # a top-K set is wider than a top-1 set (about 10·K tokens on real heads, docs/benchmarks.md §9.8)
+    C = min(max(session.config.compile_capacity, _SAMPLED_CAPACITY * k if sampled else 0), ch.vocab_size - 1 - len(sup))
+    if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
         return None
+    temperature = float(temps[0].temperature) if sampled and temps else None
     plans = ch.__dict__.setdefault("_static_plans", {})
-    key = (C, tuple(sup))
+    key = (C, tuple(sup), k, temperature)
     plan = plans.get(key)
-    if plan is None:  # one per head, capacity and suppressed set: a reused plan object keeps dynamo's guards
+    if plan is None:  # one per head, capacity, suppressed set, k and temperature: a reused plan keeps dynamo's guards
         screen = ch.provider if getattr(ch.provider, "name", None) == "screen" else None
-        plan = plans[key] = StaticTopK(ch.weight, rows, k=1, capacity=C,
-                                       suppress=torch.tensor(sup, dtype=torch.long) if sup else None, screen=screen)
+        plan = plans[key] = StaticTopK(ch.weight, rows, k=k, capacity=C,
+                                       suppress=torch.tensor(sup, dtype=torch.long) if sup else None, screen=screen,
+                                       temperature=temperature)
     return plan

@@ -21,6 +21,7 @@ This module does not import transformers (core, below the integration in :mod:`h
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
 from hf_csv_kernels.screen import weight_only_radius
 
-from .certificate import _cut, _down
+from .certificate import _cut, _cut_order, _down
 
 __all__ = ["StaticTopK"]
 
@@ -75,6 +76,9 @@ class StaticTopK:
         capacity: C >= k, the most tokens a certified row may hold.
         suppress: token ids that a later processor sets to -inf at every step (Whisper's ``suppress_tokens``):
             the certificate is then about the top-k of the other tokens (docs/certificates.md §3.9).
+        temperature: the temperature warper between the head and the top-k warper of a sampled call (None or 1.0:
+            none): the cut then keeps every token outside S strictly below the k-th largest *after* the warper's
+            division, whatever its rounding (docs/certificates.md §3.9, compiled sampling).
         screen: the head's screen provider (:class:`hf_csv.bounds.ScreenProvider` of ``rows``, no bias): its
             bounds, through ``hf_csv::screen_bounds``. ``None``: the weight-only reference on ``rows``.
 
@@ -84,13 +88,16 @@ class StaticTopK:
     """
 
     def __init__(self, weight: torch.Tensor, rows: Int8Rows, k: int = 1, capacity: int = 64,
-                 suppress: Optional[torch.Tensor] = None, screen: Any = None):
+                 suppress: Optional[torch.Tensor] = None, screen: Any = None, temperature: Optional[float] = None):
         V, d = weight.shape
         if rows.q.dtype != torch.int8 or tuple(rows.q.shape) != (V, d):
             raise ValueError(f"StaticTopK needs int8 screen rows of shape {(V, d)}")
         if not 1 <= k <= capacity < V:
             raise ValueError(f"need 1 <= k <= capacity < V, got k={k}, capacity={capacity}, V={V}")
         self.weight, self.k, self.capacity, self.vocab_size = weight.detach(), int(k), int(capacity), V
+        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        self.temperature = None if temperature in (None, 1.0) else float(temperature)
         self.rows, self.q, self.scale = rows, rows.q, rows.scale
         self.abs_l1 = rows.abs_l1 * (1 + 1e-6)
         self.l1_max = float(self.abs_l1.max()) * (1 + 1e-6)
@@ -149,7 +156,10 @@ class StaticTopK:
         val = (self.weight[seeds].float() * Hf[:, None, :]).sum(-1)  # fp32 recompute, any order
         err = self.gam * self.abs_l1[seeds] * hinf[:, None]
         lo = _down(_down(val - err, 2) - E[:, None], 2).amin(1)  # <= stock's k-th largest accumulator
-        t, _ = _cut(lo, E, self.weight.dtype)
+        if self.temperature is None:
+            t, _ = _cut(lo, E, self.weight.dtype)
+        else:  # a temperature warper divides before the top-k warper: keep the cut strict after it
+            t, _ = _cut_order(lo, E, self.weight.dtype, self.temperature)
         count = (U >= t[:, None]).sum(1)
         ok = (count <= self.capacity) & fin & torch.isfinite(t)
         all_ok = ok.all()

@@ -5,8 +5,8 @@
         --json out/compiled_qwen.json
 
 Both sides run ``generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True,
-dynamic=False))`` (``_compile_all_devices`` set: transformers compiles on accelerators only unless told), greedy,
-batch 1, ``--new-tokens`` tokens. Each side is compiled and warmed first (the compile times are reported apart);
+dynamic=False))`` (``_compile_all_devices`` set: transformers compiles on accelerators only unless told), greedy
+or (``--sample``) top-k sampling reseeded per call, batch 1, ``--new-tokens`` tokens. Each side is compiled and warmed first (the compile times are reported apart);
 then ``--runs`` interleaved pairs, one prompt each, left-padded to one length (a new length would recompile both
 sides; tokens/s from the tokens generated). Writes: tokens_per_s_stock / tokens_per_s_csv (medians),
 speedup (median of the per-pair ratios), identical_tokens, compiled_head (rows, certified, mean |S|), compile_s_*.
@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--sample", choices=["greedy", "default-sample", "llama-chat"], default="greedy",
+                    help="default-sample: do_sample with transformers' top_k=50; llama-chat: T 0.6, top_k 50, top_p 0.9 "
+                         "(each call reseeded with the same seed, so both sides draw from one stream)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,6 +54,10 @@ def main() -> None:
     # (no min_new_tokens: its processor lowers scores, which compiled decoding certifies only in eager steps)
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False, num_beams=1, cache_implementation="static",
                compile_config=cc)
+    if args.sample != "greedy":
+        gen.update(do_sample=True, top_k=50)
+        if args.sample == "llama-chat":
+            gen.update(temperature=0.6, top_p=0.9)
 
     # every prompt left-padded to one length: a new input length would change the static cache's shape and
     # recompile (both sides), which is not what is timed here
@@ -62,6 +69,7 @@ def main() -> None:
 
     def run(csv: bool, prompt: str):
         x = tok(prompt, return_tensors="pt", padding="max_length", max_length=L)
+        torch.manual_seed(1234)
         t = time.perf_counter()
         out = model.generate(**x, **gen, csv_config=hf_csv.CSVConfig()) if csv else model.generate(**x, **gen)
         return time.perf_counter() - t, out, (model.csv_last_stats if csv else None)
@@ -91,7 +99,8 @@ def main() -> None:
     cert = sum(s["compiled_head"]["certified"] for s in stats)
     sub = [s["compiled_head"]["mean_subvocab"] for s in stats if s["compiled_head"]["mean_subvocab"] is not None]
     res = {"model": os.path.basename(os.path.normpath(args.model)), "threads": args.threads, "runs": args.runs,
-           "new_tokens": ntok, "dtype": "float32", "batch": 1, "machine_before": before,
+           "new_tokens": ntok, "dtype": "float32", "batch": 1,
+           "decoding": args.sample, "generate_kwargs": {k: v for k, v in gen.items() if k != "compile_config"}, "machine_before": before,
            "machine_after": machine_load(),
            "tokens_per_s_stock": n / statistics.median(ts), "tokens_per_s_csv": n / statistics.median(tc),
            "speedup": statistics.median(ratios), "identical_tokens": bool(same),

@@ -161,3 +161,36 @@ def test_bf16_out_dtype_keeps_rounding_ties():
     tied = stock == top
     assert (res.mask | ~tied).all()
     assert torch.equal(res.logits.max(1).values, top[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0.3, 0.7, 1.3, 3.0, 7.0])
+def test_cut_order_stays_strict_after_the_temperature(dtype, T):
+    """docs/certificates.md §3.9 (compiled sampling): every value the cut leaves outside (<= b, in the dtype) is
+    strictly below round_d(lo) after x/T, for division and for multiplication by the rounded reciprocal. The plain
+    cut does not survive a narrowing temperature in float32: for some lo its bound ties with lo after x/T (checked, so
+    this test fails if the margin is dropped)."""
+    from hf_csv.certificate import _cut, _cut_order
+
+    g = torch.Generator().manual_seed(int(T * 10))
+    lo = torch.cat([torch.randn(20000, generator=g) * 30, torch.tensor([1e-3, -1e-3, 17.0, -17.0])])
+    E = torch.zeros_like(lo)
+    t, b = _cut_order(lo, E, dtype, T)
+    L = lo.to(dtype).float()
+    ok = torch.isfinite(t)
+    assert bool(ok.all())
+    bd = b.to(dtype).float()
+    assert torch.equal(bd, b)  # b is a value of the dtype
+    for proc in (lambda x: x / T, lambda x: x * torch.tensor(1.0 / T, dtype=torch.float32)):
+        assert bool((proc(b) < proc(L)).all())
+        # the cut's own guarantee: anything below t (here E = 0: below the edge) rounds to <= b
+        below = torch.nextafter(t, torch.full_like(t, float("-inf")))
+        assert bool((below.to(dtype).float() <= b).all())
+    _, b_plain = _cut(lo, E, dtype)
+    if dtype == torch.float32 and T > 1:  # (a bf16 step, or a widening map, leaves no float32 tie)
+        assert bool((b_plain / T == L / T).any()), "the plain cut should tie somewhere after x/T"
+    # non-finite, zero and subnormal-after-temperature rows are not certified
+    t2, b2 = _cut_order(torch.tensor([float("nan"), 0.0, 1e-35]), torch.zeros(3), dtype, 1e4)
+    assert bool(torch.isneginf(t2).all()) and bool(torch.isposinf(b2).all())
+    with pytest.raises(ValueError):
+        _cut_order(lo, E, dtype, 0.0)

@@ -119,17 +119,51 @@ def test_compiled_call_that_needs_a_check_uses_the_stock_head():
     assert "compiled_head" not in st
 
 
-def test_compiled_sampling_declined_same_tokens():
+def _sampled(m, x, csv: bool, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    kw = {**_compile_kw(**kw), "do_sample": True}
+    return m.generate(**x, csv_config=CSVConfig(), **kw) if csv else m.generate(**x, **kw)
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", dict(top_k=20, temperature=0.8)),
+    ("qwen2", dict(top_k=8, temperature=1.3, top_p=0.9)),
+    ("gemma3", dict(top_k=50)),  # transformers' default sampling: top-k 50, no temperature warper
+    ("whisper", dict(top_k=5, temperature=0.7, min_p=0.05)),
+])
+def test_compiled_top_k_sampling_is_stock_compiled(arch, kw):
+    """Sampling with a top-k warper (temperature before it, top-p / min-p after): the static top-K head in the
+    graph, every row certified, the same tokens as stock compiled sampling for the same seed, and no recompile for
+    a shorter call (docs/certificates.md §3.9)."""
+    torch._dynamo.reset()
+    m = _tiny(arch, seed=5)
+    x = _inputs(m)
+    ref = _sampled(m, x, False, max_new_tokens=8, **kw)
+    got = _sampled(m, x, True, max_new_tokens=8, **kw)
+    st = m.csv_last_stats
+    assert torch.equal(ref, got)
+    assert st["mode"] == "topk" and not st["reasons"], st
+    c = st["compiled_head"]
+    assert c["rows"] > 0 and c["certified"] == c["rows"], st
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got2 = _sampled(m, x, True, seed=1, max_new_tokens=5, **kw)
+        ref2 = _sampled(m, x, False, seed=1, max_new_tokens=5, **kw)
+    assert torch.equal(ref2, got2)
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(top_k=20, repetition_penalty=1.3), "lowering processors"),  # before the top-k: needs the per-step check
+    (dict(top_k=0, top_p=0.9), "nucleus"),  # no top-k warper: the nucleus check
+])
+def test_compiled_sampling_that_needs_a_check_uses_the_stock_head(kw, why):
     torch._dynamo.reset()
     m = _tiny("llama", seed=5)
     x = _inputs(m)
-    kw = dict(max_new_tokens=6, top_k=20, temperature=0.8)
-    torch.manual_seed(0)
-    ref = m.generate(**x, **{**_compile_kw(**kw), "do_sample": True})
-    torch.manual_seed(0)
-    got = m.generate(**x, **{**_compile_kw(**kw), "do_sample": True}, csv_config=CSVConfig())
+    ref = _sampled(m, x, False, max_new_tokens=6, **kw)
+    got = _sampled(m, x, True, max_new_tokens=6, **kw)
+    st = m.csv_last_stats
     assert torch.equal(ref, got)
-    assert m.csv_last_stats["mode"] == "full"
+    assert st["mode"] == "full" and any("torch.compile" in r and why in r for r in st["reasons"]), st
 
 
 # ----------------------------------------------------------------------------------- the static head itself
@@ -279,6 +313,12 @@ def _compiled_case(i: int) -> dict:
     c = {"arch": rng.choice(["llama", "qwen2", "gemma3", "whisper"]), "seed": rng.randrange(4),
          "dtype": rng.choice([torch.float32, torch.bfloat16]), "batch": rng.choice([1, 2, 3]),
          "capacity": rng.choice([1, 3, 8, 64]), "kw": {"max_new_tokens": rng.randint(2, 8)}}
+    if rng.random() < 0.4:  # sampling with a top-k warper (temperature before it, top-p after it): same seed
+        c["sample"] = rng.randrange(1 << 16)
+        c["kw"]["top_k"] = rng.choice([1, 5, 20, 50])
+        c["kw"]["temperature"] = rng.choice([1.0, 0.7, 1.3])
+        if rng.random() < 0.5:
+            c["kw"]["top_p"] = 0.9
     extra = rng.random()
     if extra < 0.15:
         c["kw"]["repetition_penalty"] = 1.3  # declined in the graph: stock's head, a reason
@@ -294,10 +334,13 @@ def test_compiled_differential_case(compiled_case):
     x = _inputs(m, batch=c["batch"], seed=compiled_case)
     if "input_features" in x:
         x["input_features"] = x["input_features"].to(c["dtype"])
-    ref = m.generate(**x, **_compile_kw(**c["kw"]))
-    got = m.generate(**x, **_compile_kw(**c["kw"]), csv_config=CSVConfig(compile_capacity=c["capacity"]))
+    kw = {**_compile_kw(**c["kw"]), "do_sample": "sample" in c}
+    torch.manual_seed(c.get("sample", 0))
+    ref = m.generate(**x, **kw)
+    torch.manual_seed(c.get("sample", 0))
+    got = m.generate(**x, **kw, csv_config=CSVConfig(compile_capacity=c["capacity"]))
     st = m.csv_last_stats
-    COMPILED_RESULTS.append({"case": compiled_case, "arch": c["arch"], "mode": st["mode"],
+    COMPILED_RESULTS.append({"case": compiled_case, "arch": c["arch"], "mode": st["mode"], "sampled": "sample" in c,
                              "compiled": st.get("compiled_head"), "reasons": st["reasons"]})
     assert torch.equal(ref, got), f"compiled case {compiled_case} {c}: tokens differ from stock compiled generate"
     if "repetition_penalty" in c["kw"]:
@@ -314,5 +357,8 @@ def test_compiled_differential_summary():
     n = len(COMPILED_RESULTS)
     cert = sum(bool(r["compiled"] and r["compiled"]["certified"] > 0) for r in COMPILED_RESULTS)
     print(f"\nhf_csv compiled fuzzer: {n} cases, {cert} with certified compiled rows, "
-          f"{sum(r['mode'] == 'full' for r in COMPILED_RESULTS)} declined")
+          f"{sum(r['mode'] == 'full' for r in COMPILED_RESULTS)} declined; sampled: "
+          f"{sum(r['sampled'] for r in COMPILED_RESULTS)} cases, "
+          f"{sum(bool(r['sampled'] and r['compiled'] and r['compiled']['certified'] > 0) for r in COMPILED_RESULTS)} "
+          "with certified compiled rows")
     assert cert >= n / 2, COMPILED_RESULTS
