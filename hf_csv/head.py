@@ -368,7 +368,7 @@ class CSVHead(nn.Module):
         gkey = None
         if guard is not None and guard.enabled():
             flush_guard(sess)  # a record the processor did not complete (it did not run after that head call)
-            gkey = (sess.mode, sess.always, rows_bucket(H.shape[0]), sess.out_dtype, torch.get_num_threads())
+            gkey = guard_key(sess, H.shape[0])
             if not guard.certified(gkey):
                 sess.note("the full head is measured faster than the certified one for this shape, or is being "
                           "re-measured (a periodic probe of the speed guard, hf_csv.speed)")
@@ -434,6 +434,11 @@ class CSVHead(nn.Module):
         if gkey is not None:
             _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
         return out
+
+
+def guard_key(sess: CSVSession, rows: int) -> tuple:
+    """The speed guard's key of a head call of ``rows`` rows in this session (hf_csv.speed)."""
+    return (sess.mode, sess.always, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
 
 
 def _guard_record(sess: CSVSession, guard: Any, gkey: tuple, certified: bool, seconds: float,

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from .head import CSVSession
+from .head import CSVSession, guard_key
 from .static import StaticTopK
 
 __all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
@@ -514,7 +514,7 @@ _STATIC_LOWER = {"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsPr
 _SAMPLED_CAPACITY = 40
 
 
-def decide_compiled(session: CSVSession) -> Any:
+def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     """The plan of a call whose decode steps transformers runs through a compiled forward (static cache).
 
     Inside a compiled graph no per-step Python runs: no stash for :class:`CSVLogitsProcessor`'s check, no
@@ -524,6 +524,11 @@ def decide_compiled(session: CSVSession) -> Any:
     later warper and the sampler see stock's vector); no lowering processor other than Whisper's suppress lists
     before the top-k, an identity post-head map, a screen head without a bias. Every other call uses the full head
     (in the graph and out of it), with the reason logged. Returns the plan, or ``None`` after ``set_full``.
+
+    Speed: a compiled step cannot be timed, so where the head's speed guard has measured the full head faster on
+    this call's eager steps (the prefill, same mode and ``batch`` rows), the graph gets stock's head while the
+    session stays certified for its eager steps, which keep feeding (and probing) the guard; ``None`` is returned
+    and ``session.extra["_compiled_stock"]`` is set.
     """
     if session.mode == "full":
         return None
@@ -562,6 +567,12 @@ def decide_compiled(session: CSVSession) -> Any:
     C = min(max(session.config.compile_capacity, _SAMPLED_CAPACITY * k if sampled else 0), ch.vocab_size - 1 - len(sup))
     if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
+        return None
+    guard = getattr(ch, "_speed_guard", None)
+    if batch is not None and guard is not None and guard.enabled() and guard.prefers_full(guard_key(session, batch)):
+        session.note("torch.compile (static cache): the speed guard measured the full head faster for this shape on "
+                     "the eager steps: stock's head inside the graph")
+        session.extra["_compiled_stock"] = True
         return None
     temperature = float(temps[0].temperature) if sampled and temps else None
     plans = ch.__dict__.setdefault("_static_plans", {})

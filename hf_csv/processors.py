@@ -68,14 +68,14 @@ class CSVLogitsProcessor(LogitsProcessor):
         return _BOUND.get().get(id(self))
 
     @staticmethod
-    def _compiled_step(sess: CSVSession, input_ids: torch.Tensor) -> bool:
+    def _compiled_step(sess: CSVSession, input_ids: torch.Tensor, stock: bool = False) -> bool:
         """Whether this step's row came from the compiled graph (no eager head call since the last step), whose
         static head certified it with Whisper's fixed suppress list folded in (docs/certificates.md §3.9): nothing
         to check, no stash to read. A processor that lowers only at the first generated step must not fire here."""
         calls = sess.head_calls
         compiled = calls == sess.extra.get("_calls_seen")
         sess.extra["_calls_seen"] = calls
-        if compiled:
+        if compiled and not stock:
             for p in sess.processors or ():
                 if type(p).__name__ == "SuppressTokensAtBeginLogitsProcessor" and input_ids.shape[-1] == p.begin_index:
                     raise CSVError("hf_csv: a compiled decode step reached SuppressTokensAtBeginLogitsProcessor's "
@@ -102,6 +102,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             return sess.top_p_proc(input_ids, scores)
         if sess is not None and "_static_start" in sess.extra and self._compiled_step(sess, input_ids):
             return scores
+        if sess is not None and sess.extra.get("_compiled_stock") and self._compiled_step(sess, input_ids, stock=True):
+            return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
         if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "beam_exact", "threshold", "sample",
                                                                 "nucleus"):
             return scores

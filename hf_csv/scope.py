@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -174,7 +174,7 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
         res = orig(*args, **kwargs)
         if res:
             sess = active_session(model)
-            plan = None if sess is None else decide_compiled(sess)
+            plan = None if sess is None else decide_compiled(sess, _batch_of(args, kwargs))
             installed = set_static_plan(model, plan, own=sess is not None)
             if sess is not None and plan is not None and not installed:
                 sess.set_full("torch.compile (static cache) while another generate call is active on this model: "
@@ -184,6 +184,17 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
         return res
 
     return _valid_auto_compile_criteria
+
+
+def _batch_of(args: tuple, kwargs: dict) -> Optional[int]:
+    """The batch size of a ``_valid_auto_compile_criteria(model_kwargs, generation_config)`` call, when it shows."""
+    mk = kwargs.get("model_kwargs", args[0] if args else None)
+    if isinstance(mk, dict):
+        for name in ("attention_mask", "input_ids", "inputs_embeds", "decoder_input_ids"):
+            t = mk.get(name)
+            if torch.is_tensor(t) and t.dim() >= 1:
+                return int(t.shape[0])
+    return None
 
 
 def _compiled_stats(sess: CSVSession) -> None:

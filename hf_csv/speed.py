@@ -63,6 +63,13 @@ class SpeedGuard:
                 return other == "c"
             return st["best"] == "c"
 
+    def prefers_full(self, key) -> bool:
+        """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled
+        decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.policy)."""
+        with self._lock:
+            st = self._state.get(key)
+            return st is not None and st["best"] == "f" and len(st["c"]) >= 3 and len(st["f"]) >= 2
+
     def record(self, key, certified: bool, seconds: float) -> None:
         with self._lock:
             st = self._state[key]

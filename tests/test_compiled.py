@@ -362,3 +362,43 @@ def test_compiled_differential_summary():
           f"{sum(bool(r['sampled'] and r['compiled'] and r['compiled']['certified'] > 0) for r in COMPILED_RESULTS)} "
           "with certified compiled rows")
     assert cert >= n / 2, COMPILED_RESULTS
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "top-k-sampling"])
+def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(sampled):
+    """A compiled step cannot be timed: where the head's speed guard measured the full head faster on the eager steps
+    (same mode and batch), the graph gets stock's head, the session stays certified for its eager steps (which keep
+    feeding the guard), the reason is logged, and the tokens are stock compiled's."""
+    from hf_csv.head import find_head, get_certified_head
+    from hf_csv.speed import SpeedGuard
+    from hf_csv_kernels.threads import rows_bucket
+
+    torch._dynamo.reset()
+    m = _tiny("llama", seed=6)
+    x = _inputs(m)
+    kw = dict(max_new_tokens=6, top_k=10, temperature=0.9) if sampled else dict(max_new_tokens=6)
+    run = (lambda csv: _sampled(m, x, csv, **kw)) if sampled else (lambda csv: _gen(m, x, csv, **kw)[0])
+    ch = get_certified_head(find_head(m)[1], CSVConfig())
+    ch._speed_guard = g = SpeedGuard()  # (tiny heads have none: MIN_WEIGHTS)
+    try:
+        key = ("topk", 0, rows_bucket(x["input_ids"].shape[0]), torch.float32, torch.get_num_threads())
+        for _ in range(4):
+            g.certified(key)
+            g.record(key, True, 1.0)
+        for _ in range(2):
+            g.certified(key)
+            g.record(key, False, 0.01)
+        assert g.prefers_full(key)
+        ref = run(False)
+        got = run(True)
+        st = m.csv_last_stats
+        assert torch.equal(ref, got)
+        assert st["mode"] == "topk" and "compiled_head" not in st, st
+        assert any("speed guard" in r and "inside the graph" in r for r in st["reasons"]), st
+        # the guard now prefers the certified head: the next call runs the plan in the graph
+        g._state.clear()
+        got = run(True)
+        assert torch.equal(ref, got)
+        assert m.csv_last_stats["compiled_head"]["rows"] > 0
+    finally:
+        del ch._speed_guard
