@@ -131,6 +131,7 @@ class CSVSession:
     spec_pending: bool = False  # spec mode: a head call's bounds wait for the verify (hf_csv.verify)
     spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
     fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
+    fill_est: bool = False  # sampled draft without a top-k: uncomputed tokens get the screen's estimate (see forward)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
     # step (hf_csv.speed): (guard, key, certified, seconds in the head) or None
@@ -391,6 +392,11 @@ class CSVHead(nn.Module):
             out = res.logits
             if sess.fill_tail and res.est is not None:
                 out = _fill_tail(out, res.est, res.mask)
+            elif sess.fill_est and res.est is not None:
+                # a sampled draft may sample from any law it returns (the verify reads the same scores as q); the
+                # screen's estimates outside S keep q's tail, which a -inf tail drops: without a top-k that tail
+                # holds target mass the verify could otherwise never accept, and the confidence stop reads it
+                out = torch.where(res.mask, out, res.est.to(out.dtype))
         elif mode == "threshold":
             res = ch.threshold(H, sess.delta, out_dtype=sess.out_dtype, rel=sess.delta_rel)
             out = res.logits

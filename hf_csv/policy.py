@@ -480,9 +480,10 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     """The assistant's head inside assisted generation (hf_csv.candidate).
 
     Greedy drafts: certified top-1, so the drafted tokens are the stock draft's (plus the tail
-    fill for the confidence stop). Sampled drafts: exact logits on a certified top-k set, -inf
-    elsewhere; the draft samples from exactly the logits it returns as candidate logits, which is
-    all speculative sampling needs to stay lossless (the target's verification is exact).
+    fill for the confidence stop). Sampled drafts: exact logits on a certified top-k set, and elsewhere
+    -inf (with a top-k warper) or the screen's estimate (without one); the draft samples from exactly the
+    logits it returns as candidate logits, which is all speculative sampling needs to stay lossless (the
+    target's verification is exact).
     """
     cfg = session.config
     lower = "lower" in kinds
@@ -503,6 +504,9 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     # re-runs a row with the full head if they leave nothing finite in it.
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     session.mode, session.k, session.verify = "topk", k, lower
+    # no top-k warper on the draft: its law is the whole softmax, whose tail outside the certified top-k the screen
+    # estimates (with a top-k warper the tail is cut anyway: the estimates lie below the k-th exact logit)
+    session.fill_est = not top_k or top_k >= session.head.vocab_size
     return session
 
 
