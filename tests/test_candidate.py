@@ -169,6 +169,44 @@ def test_sampled_draft_returns_the_logits_it_sampled_from(pair):
         assert finite[torch.arange(len(ids)), ids].all()  # every drafted token was in it
 
 
+def test_sampled_draft_without_top_k_keeps_its_tail(pair, monkeypatch):
+    """Without a top-k warper the sampled draft's law is the whole softmax: outside the certified top-k its scores
+    are the screen's estimates (finite, within the screen's radius of the exact logits), so the q the verify reads
+    keeps its tail and the confidence stop reads a tail mass; with a top-k warper the tail stays -inf (above)."""
+    target, draft = pair
+    seen = []
+    import hf_csv.verify as hv
+    from hf_csv.head import find_head, get_certified_head
+
+    orig, orig_cert = hv._IMPLS["exact"], hv.speculative_sampling_certified
+
+    def spy(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k):
+        seen.append((candidate_input_ids.clone(), candidate_logits.clone(), int(candidate_length)))
+        return orig(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k)
+
+    def spy_cert(sess, candidate_input_ids, candidate_logits, candidate_length, new_logits, **k):
+        seen.append((candidate_input_ids.clone(), candidate_logits.clone(), int(candidate_length)))
+        return orig_cert(sess, candidate_input_ids, candidate_logits, candidate_length, new_logits, **k)
+
+    monkeypatch.setitem(hv._IMPLS, "exact", spy)  # (the target's verify: stock rows, or certified in mode spec)
+    monkeypatch.setattr(hv, "speculative_sampling_certified", spy_cert)
+    torch.manual_seed(0)
+    out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=True, top_k=0,
+                          csv_config=CSVConfig(draft_top_k=4), return_dict_in_generate=True)
+    assert seen and out.csv_stats["draft"]["mode"] == "topk" and out.csv_stats["draft"]["certified"] > 0
+    head = draft.get_output_embeddings()
+    for ids, logits, L in seen:
+        assert torch.isfinite(logits).all()
+        with torch.no_grad():  # the draft's exact logits at the drafted positions (fp32, temperature 1)
+            body = draft.model(ids[:, :-1]).last_hidden_state[:, -L:]
+            exact = head(body)
+        est, up = get_certified_head(find_head(draft)[1], CSVConfig()).provider(body[0])
+        tail = logits[0] != exact[0]
+        assert tail.any()  # a sub-vocabulary was certified, the rest filled
+        # (the call's own screen may have chosen other outlier columns than this one: twice the radius)
+        assert bool(((logits[0] - exact[0]).abs()[tail] <= 2 * (up - est)[tail] + 1e-4).all())
+
+
 def test_sampled_draft_top_k_is_lossless_chi_square():
     """First new token of assisted sampling with a *truncated* (top-2) draft follows the target's
     softmax exactly. 1500 draws, chi-square at significance level 0.001, fixed seed."""
