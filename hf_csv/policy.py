@@ -249,7 +249,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                          "vocabulary")
         return session
     if session.draft:
-        return _decide_draft(session, gc, kinds, do_sample, top_k)
+        return _decide_draft(session, gc, kinds, do_sample, top_k, processors)
     if session.assisted and do_sample:
         return _assisted_sampling_plan(session, processors, kinds, num_beams, top_k)
     if not do_sample and num_beams == 1:
@@ -476,11 +476,15 @@ def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, 
     return session
 
 
-def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int]) -> CSVSession:
+def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, top_k: Optional[int],
+                  processors: list = ()) -> CSVSession:
     """The assistant's head inside assisted generation (hf_csv.candidate).
 
     Greedy drafts: certified top-1, so the drafted tokens are the stock draft's (plus the tail
-    fill for the confidence stop). Sampled drafts: exact logits on a certified top-k set, and elsewhere
+    fill for the confidence stop). Sampled drafts with one top-k warper of at most ``draft_top_k``: the
+    target's checked top-K plan (:func:`_top_k_plan`), so the draft's processed scores are stock's draft's and,
+    with the target on the same plan and stock's verify, assisted sampling returns stock's tokens for the same
+    seed. Other sampled drafts: exact logits on a certified top-k set, and elsewhere
     -inf (with a top-k warper) or the screen's estimate (without one); the draft samples from exactly the
     logits it returns as candidate logits, which is all speculative sampling needs to stay lossless (the
     target's verification is exact).
@@ -502,6 +506,9 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     # token-specific processors (min-length, bad words, ...) may lower tokens of S: the draft then
     # samples from what they leave, which is still what it returns; CSVLogitsProcessor only
     # re-runs a row with the full head if they leave nothing finite in it.
+    topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
+    if top_k and top_k <= cfg.draft_top_k and _top_k_plan(session, list(processors), topks, top_k):
+        return session
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     session.mode, session.k, session.verify = "topk", k, lower
     # no top-k warper on the draft: its law is the whole softmax, whose tail outside the certified top-k the screen

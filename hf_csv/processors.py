@@ -123,7 +123,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             return self._nucleus(input_ids, scores, sess, last, p)
         raw = last.logits[:, p]
         k = min(sess.k, raw.shape[1])
-        if sess.draft and k > 1:
+        if sess.draft and k > 1 and sess.check_after is None:
             # a sampled draft may use any distribution it returns; it only needs a finite row
             bad = ~torch.isfinite(scores.amax(1).float())
             return self._rerun(input_ids, scores, sess, last, p, bad)

@@ -266,6 +266,12 @@ def _dispatch(
         valid, n = speculative_sampling_certified(sess, candidate_input_ids, candidate_logits, candidate_length,
                                                   new_logits, generator=h.generator, counts=h.counts)
         h.certified_calls += 1
+    elif h.mode == "exact" and sess is not None and sess.mode == "topk" and sess.check_after is not None \
+            and h.generator is None:
+        # the target's checked top-K plan: its processed rows are stock's, and so are the draft's on the same plan
+        # (hf_csv.policy): stock's own verify then draws stock's tokens from stock's random stream
+        valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
+            candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     else:
         valid, n = _IMPLS[h.mode](candidate_input_ids, candidate_logits, candidate_length, new_logits,
                                   weight, generator=h.generator)

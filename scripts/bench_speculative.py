@@ -384,8 +384,10 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
 @torch.no_grad()
 def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
     """Assisted sampling, stock vs hf_csv (certified target head + sub-vocabulary draft + exact verify), per
-    setting of :data:`SAMPLING_SETTINGS`; calls interleaved, the same seed per prompt and run (the random
-    streams differ, so tokens are not compared; the law is, by :func:`_law_probe`)."""
+    setting of :data:`SAMPLING_SETTINGS`; calls interleaved, the same seed per prompt and run. With a top-k warper
+    (Qwen's defaults) both heads run the checked top-K plan and stock's verify, so the tokens must be stock's
+    (``identical_tokens_same_seed``); without one the random streams differ and the law is compared instead
+    (:func:`_law_probe`)."""
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.e2e_prompts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -409,11 +411,13 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
         spec_tot: dict = {}
         head_tot = {"rows": 0, "certified": 0}
         modes, reasons = set(), set()
+        same = []  # per (run, prompt): the same seed gave the same tokens (the checked top-K plan: it must)
         for run in range(args.e2e_runs):
             acc = {"stock": [0.0, 0], "csv": [0.0, 0]}
             for i, text in enumerate(prompts):
                 x = dict(tok(text, return_tensors="pt"))
                 n0 = x["input_ids"].shape[1]
+                seqs = {}
                 for m in ("stock", "csv") if (run + i) % 2 == 0 else ("csv", "stock"):
                     torch.manual_seed(1000 * run + i)
                     t0 = time.perf_counter()
@@ -427,6 +431,7 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
                         seq = out.sequences
                     acc[m][0] += time.perf_counter() - t0
                     acc[m][1] += seq.shape[1] - n0
+                    seqs[m] = seq
                     if m == "csv":
                         st = out.csv_stats
                         modes.add(st["mode"])
@@ -436,12 +441,14 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
                         for k, v in (st.get("speculative") or {}).items():
                             if isinstance(v, int):
                                 spec_tot[k] = spec_tot.get(k, 0) + v
+                same.append(bool(torch.equal(seqs["stock"], seqs["csv"])))
             for m in tps:
                 tps[m].append(acc[m][1] / acc[m][0])
         med = {m: statistics.median(v) for m, v in tps.items()}
         res[name] = {
             "settings": kw, "tokens_per_s_runs": tps, "tokens_per_s_median": med,
             "assisted_sampling_speedup": med["csv"] / med["stock"],
+            "identical_tokens_same_seed": same,
             "speedup_runs": [c / s_ for c, s_ in zip(tps["csv"], tps["stock"])],
             "acceptance_stock": counter.accepted / counter.drafted if counter.drafted else None,
             "acceptance_csv": spec_tot["accepted"] / spec_tot["drafted"] if spec_tot.get("drafted") else None,

@@ -31,18 +31,19 @@ def test_greedy_assisted_with_csv_equals_plain_greedy(pair):
     assert out.csv_stats["certified"] > 0 if isinstance(out.csv_stats, dict) else out.csv_stats.certified > 0
 
 
-def test_assisted_sampling_uses_the_patch_and_restores(pair):
+def test_assisted_sampling_uses_the_patch_and_restores(pair, monkeypatch):
+    """Without a top-k warper assisted sampling runs hf_csv's exact verify (the certified one in mode spec, or the
+    exact one on full rows); with one, the checked top-K rows go to stock's verify (test_assisted_sampling.py)."""
     target, draft = pair
     ids = torch.tensor([[5, 17, 33, 2, 9]])
     stock = gen_utils._speculative_sampling
     calls = []
     import hf_csv.verify as hv
-    orig_impl = hv._IMPLS["exact"]
-    hv._IMPLS["exact"] = lambda *a, **k: (calls.append(1), orig_impl(*a, **k))[1]
-    try:
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=True, csv_config=CSVConfig())
-    finally:
-        hv._IMPLS["exact"] = orig_impl
+    orig_impl, orig_cert = hv._IMPLS["exact"], hv.speculative_sampling_certified
+    monkeypatch.setitem(hv._IMPLS, "exact", lambda *a, **k: (calls.append(1), orig_impl(*a, **k))[1])
+    monkeypatch.setattr(hv, "speculative_sampling_certified", lambda *a, **k: (calls.append(2), orig_cert(*a, **k))[1])
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=True, top_k=0,
+                          csv_config=CSVConfig())
     assert calls, "assisted sampling under csv_config must run hf_csv's exact verify"
     assert gen_utils._speculative_sampling is stock
     assert out.shape[1] > ids.shape[1] and (out >= 0).all() and (out < 96).all()

@@ -290,3 +290,35 @@ def test_spec_round_without_drafts_uses_the_full_head(pair):
                           csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True)
     st = out.csv_stats
     assert st["head_calls"] - st["full_head_calls"] == st["speculative"]["verify_calls"]
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05),
+                                dict(top_k=50), dict(top_k=5, temperature=1.3, min_p=0.1)],
+                         ids=["qwen_chat", "default", "min_p_after_top_k"])
+def test_assisted_top_k_sampling_is_stock_token_for_token(pair, kw):
+    """With a top-k warper (and only temperature / lowering processors before it) both heads run the checked top-K
+    plan, so the draft's and the target's processed scores are stock's, and stock's verify draws from them: the same
+    seed gives stock assisted sampling's tokens, token for token, with both heads certified (docs/speculative.md)."""
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 33, 2, 9], [7, 7, 40, 41, 3]])
+    gen = dict(kw, do_sample=True, max_new_tokens=24, pad_token_id=0)
+    # (on the assistant's own config: stock ignores num_assistant_tokens passed to the target's generate, hf_csv
+    # applies it, transformers #40739, and a different draft length is a different random stream)
+    gc = draft.generation_config
+    saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 4, "constant"
+    try:
+        for seed in range(3):
+            row = ids[seed % 2:seed % 2 + 1]
+            torch.manual_seed(seed)
+            ref = target.generate(row, assistant_model=draft, **gen)
+            torch.manual_seed(seed)
+            out = target.generate(row, assistant_model=draft, csv_config=CSVConfig(budget=1.0), return_dict_in_generate=True,
+                                  **gen)
+            assert torch.equal(ref, out.sequences), (seed, ref, out.sequences)
+            st = out.csv_stats
+            assert st["mode"] == "topk" and st["certified"] > 0, st["reasons"]
+            assert st["draft"]["mode"] == "topk" and st["draft"]["certified"] > 0, st["draft"]
+            assert st["speculative"]["verify_calls"] >= 1
+    finally:
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved

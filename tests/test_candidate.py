@@ -140,26 +140,28 @@ def test_eos_inside_the_draft_and_max_length_cut(pair):
         assert torch.equal(a, b)
 
 
-def test_sampled_draft_returns_the_logits_it_sampled_from(pair):
-    """Sampled drafts use -inf outside their certified top-k set; the draft's tokens lie in that set and
-    the verify step sees those logits (no NaN)."""
+def test_sampled_draft_returns_the_logits_it_sampled_from(pair, monkeypatch):
+    """Sampled drafts whose top-k exceeds ``draft_top_k`` use -inf outside their certified top-k set; the draft's
+    tokens lie in that set and the verify step sees those logits (no NaN)."""
     target, draft = pair
     seen = []
+    import transformers.generation.utils as gu
+
     import hf_csv.verify as hv
 
-    orig = hv._IMPLS["exact"]
+    def spying(orig):
+        def spy(*a, **k):
+            seen.append((a[0][0, -a[2]:].clone(), a[1].clone()))
+            return orig(*a, **k)
+        spy.__wrapped__ = orig  # (hf_csv._compat checks stock's signature through it)
+        return spy
 
-    def spy(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k):
-        seen.append((candidate_input_ids[0, -candidate_length:].clone(), candidate_logits.clone()))
-        return orig(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k)
-
-    hv._IMPLS["exact"] = spy
-    try:
-        torch.manual_seed(0)
-        out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=True,
-                              csv_config=CSVConfig(draft_top_k=4), return_dict_in_generate=True)
-    finally:
-        hv._IMPLS["exact"] = orig
+    # hf_csv's verify, and stock's (which the target's checked top-K plan hands its rows to)
+    monkeypatch.setitem(hv._IMPLS, "exact", spying(hv._IMPLS["exact"]))
+    monkeypatch.setattr(gu, "_speculative_sampling", spying(gu._speculative_sampling))
+    torch.manual_seed(0)
+    out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=True,
+                          csv_config=CSVConfig(draft_top_k=4), return_dict_in_generate=True)
     assert seen and out.csv_stats["draft"]["mode"] == "topk"
     for ids, logits in seen:
         assert not torch.isnan(logits).any()
