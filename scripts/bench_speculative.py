@@ -373,10 +373,21 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
                 cand_logits, int(L), new_logits)
         return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
 
-    hv.speculative_sampling_certified, hv._IMPLS["exact"] = certified, exact
+    def stock_verify(cand, cand_logits, L, new_logits, *a, **kw):
+        # the target's checked top-K plan hands its rows to stock's verify (hf_csv.verify._dispatch): the law is
+        # stock's exactly when those rows are stock's processed rows, which is checked here, bit for bit
+        h = hv._stack()[-1] if hv._stack() else None
+        sess = getattr(h, "session", None)
+        if not out and int(L) >= 1 and sess is not None and sess.mode == "topk" and sess.last is not None:
+            same = bool(torch.equal(new_logits.float(), stock_rows(sess, cand, int(L)).to(new_logits.device)))
+            out.update(kind="topk (stock's verify)", drafted=int(L), rows_identical=same, identical_law=same)
+        return stock(cand, cand_logits, L, new_logits, *a, **kw)
+
+    stock_verify.__wrapped__ = stock  # (hf_csv._compat checks stock's signature through it)
+    hv.speculative_sampling_certified, hv._IMPLS["exact"], gu._speculative_sampling = certified, exact, stock_verify
 
     def uninstall():
-        hv.speculative_sampling_certified, hv._IMPLS["exact"] = orig_cert, orig_exact
+        hv.speculative_sampling_certified, hv._IMPLS["exact"], gu._speculative_sampling = orig_cert, orig_exact, stock
 
     return out, uninstall
 
