@@ -629,7 +629,7 @@ def _cut_order(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype, temperature: f
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     L = lo if d == torch.float32 else lo.to(d).float()
     cap = L.double() * (1.0 - 8.0 * 2.0 ** -24 * torch.sign(L.double()))  # L − 8u|L|, exact enough in fp64
-    cap = _f32_floor(cap)  # largest fp32 <= cap
+    cap = _f32_down(cap)  # largest fp32 <= cap
     if d == torch.float32:
         b = cap
         edge = torch.nextafter(b, torch.full_like(b, float("inf")))  # x < edge  <=>  x <= b
@@ -645,10 +645,16 @@ def _cut_order(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype, temperature: f
     return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
 
 
-def _f32_floor(x: torch.Tensor) -> torch.Tensor:
-    """The largest float32 <= x (float64 input), as float32."""
-    y = x.float()
-    return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+def _f32_down(x: torch.Tensor) -> torch.Tensor:
+    """The largest float32 <= x (float64 input)."""
+    f = x.float()
+    return torch.where(f.double() > x, torch.nextafter(f, torch.full_like(f, float("-inf"))), f)
+
+
+def _f32_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 >= x (float64 input)."""
+    f = x.float()
+    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
 
 
 def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from transformers import LogitsProcessor
 
+from .certificate import _f32_down, _f32_up
 from .errors import CSVError
 from .head import CSVSession, flush_guard
 from .policy import classify_processor
@@ -386,18 +387,6 @@ class BeamStep:
     rep: torch.Tensor
     ob: torch.Tensor
     subvocab: bool = True  # some row is a sub-vocabulary row (False: every row is stock's, the step is exact)
-
-
-def _f32_down(x: torch.Tensor) -> torch.Tensor:
-    """The largest float32 <= x (float64 input)."""
-    f = x.float()
-    return torch.where(f.double() > x, torch.nextafter(f, torch.full_like(f, float("-inf"))), f)
-
-
-def _f32_up(x: torch.Tensor) -> torch.Tensor:
-    """The smallest float32 >= x (float64 input)."""
-    f = x.float()
-    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
 
 
 def beam_logprob_box(sess: CSVSession, input_ids: torch.Tensor, last, p: int, stop: Optional[LogitsProcessor] = None):
