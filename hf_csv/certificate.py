@@ -594,20 +594,26 @@ def _down(x: torch.Tensor, n: int = 1) -> torch.Tensor:
 
 def _cut(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Threshold t and bound b per row such that any token with upper bound U_i < t has a stock
-    logit (rounded to d) <= b < round_d(lo), where lo <= stock's fp32 accumulator of the seeds.
+    logit (rounded to d) <= b < round_d(lo), where lo <= stock's fp32 accumulator of the seeds: :func:`_cut_at`
+    with b the predecessor of round_d(lo) in d."""
+    r = lo if d == torch.float32 else lo.to(d)
+    return _cut_at(torch.nextafter(r, torch.full_like(r, float("-inf"))).float(), E, d)
 
-    U_i < t <= edge − E gives x_i <= ℓ_i + E <= U_i + E < edge; in fp32, edge = lo, so x_i <= pred(lo);
-    in d, edge is the midpoint between round_d(lo) and its predecessor p, so round-to-nearest gives
-    round_d(x_i) <= p (a value exactly at the midpoint is excluded by the strict '<').
+
+def _cut_at(b: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threshold t per row such that any token with upper bound U_i < t has a stock logit (rounded to d) <= b,
+    for a cap b that is a value of d (as fp32). Returns (t, b); rows where t or b is not finite get t = -inf,
+    b = inf (nothing certified).
+
+    U_i < t <= edge − E gives x_i <= ℓ_i + E <= U_i + E < edge; in fp32, edge = succ(b), so x_i <= b; in d, edge
+    is the midpoint between b and its successor in d, so round-to-nearest gives round_d(x_i) <= b (a value
+    exactly at the midpoint is excluded by the strict '<').
     """
     if d == torch.float32:
-        edge = lo
-        b = torch.nextafter(lo, torch.full_like(lo, float("-inf")))
+        edge = torch.nextafter(b, torch.full_like(b, float("inf")))
     else:
-        r = lo.to(d)
-        p = torch.nextafter(r, torch.full_like(r, float("-inf")))
-        edge = (p.float() + r.float()) / 2  # exact in fp32 (d has at most 11 significand bits)
-        b = p.float()
+        bd = b.to(d)
+        edge = (b + torch.nextafter(bd, torch.full_like(bd, float("inf"))).float()) / 2  # exact in fp32
     t = _down(edge - E, 2)
     ok = torch.isfinite(t) & torch.isfinite(b)
     return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
@@ -629,20 +635,13 @@ def _cut_order(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype, temperature: f
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     L = lo if d == torch.float32 else lo.to(d).float()
     cap = L.double() * (1.0 - 8.0 * 2.0 ** -24 * torch.sign(L.double()))  # L − 8u|L|, exact enough in fp64
-    cap = _f32_down(cap)  # largest fp32 <= cap
-    if d == torch.float32:
-        b = cap
-        edge = torch.nextafter(b, torch.full_like(b, float("inf")))  # x < edge  <=>  x <= b
-    else:
-        r = cap.to(d)
-        r = torch.where(r.float() > cap, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
-        s = torch.nextafter(r, torch.full_like(r, float("inf")))
-        b = r.float()
-        edge = (b + s.float()) / 2  # exact in fp32: x < edge gives round_d(x) <= b
-    t = _down(edge - E, 2)
+    b = _f32_down(cap)  # largest fp32 <= cap
+    if d != torch.float32:  # largest value of d <= b
+        r = b.to(d)
+        b = torch.where(r.float() > b, torch.nextafter(r, torch.full_like(r, float("-inf"))), r).float()
     mag = L.double().abs() / temperature
-    ok = torch.isfinite(t) & torch.isfinite(b) & (mag >= 2.0 ** -100) & (mag <= 2.0 ** 100)
-    return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
+    b = b.masked_fill(~((mag >= 2.0 ** -100) & (mag <= 2.0 ** 100)), float("inf"))  # not certified
+    return _cut_at(b, E, d)
 
 
 def _f32_down(x: torch.Tensor) -> torch.Tensor:
