@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 import torch
 
 from hf_csv_kernels import Int8Rows, get_op, quantize_rows_fp8, quantize_rows_int8, unit_roundoff
-from hf_csv_kernels.screen import prepare_screen
+from hf_csv_kernels.screen import make_outliers, prepare_screen
 
 from .index import VocabIndex
 
@@ -40,8 +40,10 @@ class ScreenProvider:
     """Certified int8 screen over every token.
 
     ``num_outliers`` columns of h with the largest magnitude (the "massive activations")
-    are kept exact in fp32 on the CPU fbgemm path; they are chosen once, from the first
-    hidden states seen or by :meth:`calibrate`. The bound is sound for *any* choice:
+    are kept exact in fp32 (W[:, J] itself) on the CPU fbgemm path. Given (``outlier_cols``, an
+    artifact's calibration) or fixed by :meth:`calibrate`, they stay; otherwise the first call chooses
+    them and they are chosen once more from the largest |h_j| of the first ``recalibrate_rows`` rows
+    (a decode step is one row, and one row is a poor sample). The bound is sound for *any* choice:
     a poor choice only makes it looser.
     """
 
@@ -67,20 +69,54 @@ class ScreenProvider:
             raise ValueError(f"screen rows {tuple(self.rows.q.shape)} do not fit the head {tuple(weight.shape)}")
         self.num_outliers = min(int(num_outliers if outlier_cols is None else outlier_cols.numel()), self.hidden_size)
         self.state = None
+        # the outlier columns are kept exact (W[:, J]; hf_csv_kernels.screen.prepare_screen): a reference, not a copy
+        self._weight = weight.detach()
         self.background = background  # pack a large head in a background thread (see ready())
         self._calibrating = threading.Lock()  # concurrent first calls calibrate once
+        # columns chosen from the first call are re-chosen once from the first ``recalibrate_rows`` rows
+        self.recalibrate_rows = 8
+        self.recalibrated = False
+        self._seen: Optional[torch.Tensor] = None
+        self._seen_rows = 0
         if outlier_cols is not None or self.num_outliers == 0:
             self._prepare(outlier_cols)
 
     def _prepare(self, cols: Optional[torch.Tensor]) -> None:
-        self.state = prepare_screen(self.rows, cols, background=self.background)
+        self.state = prepare_screen(self.rows, cols, background=self.background, weight=self._weight)
+
+    def _choose(self, amax: torch.Tensor) -> torch.Tensor:
+        return amax.topk(self.num_outliers).indices.sort().values
 
     def warm(self, H: torch.Tensor) -> None:
-        """Calibrate on ``H`` if this is the first call (starts the packing)."""
+        """Calibrate on ``H`` if this is the first call (starts the packing); until ``recalibrate_rows`` rows
+        have been seen, keep the largest |h_j| per column and then choose the columns once more from them."""
         if self.state is None:
             with self._calibrating:
                 if self.state is None:
-                    self.calibrate(H)
+                    self._seen = H.reshape(-1, self.hidden_size).float().abs().amax(0)
+                    self._seen_rows = H.reshape(-1, self.hidden_size).shape[0]
+                    self._prepare(self._choose(self._seen) if self.num_outliers else None)
+                    self._maybe_recalibrate()
+                    return
+        if self._seen is not None:
+            with self._calibrating:
+                if self._seen is not None:
+                    Hr = H.reshape(-1, self.hidden_size)
+                    torch.maximum(self._seen, Hr.float().abs().amax(0), out=self._seen)
+                    self._seen_rows += Hr.shape[0]
+                    self._maybe_recalibrate()
+
+    def _maybe_recalibrate(self) -> None:
+        """(Under the lock.) Once enough rows are seen: the columns from all of them, swapped in as one object
+        (W[:, J] and the rest-column error terms; no repack). Any choice is sound; one row is often a poor
+        sample of where the massive activations are (docs/certificates.md §1.1)."""
+        if self._seen_rows < self.recalibrate_rows:
+            return
+        cols = self._choose(self._seen)
+        self._seen = None
+        if not torch.equal(cols.to(self.state.outlier_cols.device), self.state.outlier_cols):
+            self.state.outliers = make_outliers(self.rows, cols, self._weight)
+            self.recalibrated = True
 
     def ready(self) -> bool:
         """False while the int8 rows are still being packed in the background (the screen would wait)."""
@@ -88,10 +124,11 @@ class ScreenProvider:
 
     @torch.no_grad()
     def calibrate(self, H: torch.Tensor) -> torch.Tensor:
-        """Fix the outlier columns from calibration hidden states; returns them."""
+        """Fix the outlier columns from calibration hidden states (no later recalibration); returns them."""
         H = H.reshape(-1, self.hidden_size).float()
-        cols = H.abs().amax(0).topk(self.num_outliers).indices.sort().values if self.num_outliers else None
-        self._prepare(cols)
+        with self._calibrating:
+            self._seen = None
+            self._prepare(self._choose(H.abs().amax(0)) if self.num_outliers else None)
         return self.state.outlier_cols
 
     @torch.no_grad()

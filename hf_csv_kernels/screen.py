@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from .quantize import Int8Rows, gamma, unit_roundoff
+from .quantize import Int8Rows, gamma, round_up_f32, unit_roundoff
 
-__all__ = ["ScreenState", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
+__all__ = ["ScreenState", "Outliers", "make_outliers", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
            "weight_only_radius"]
 
 # fbgemm's dynamic linear quantizes activations to 7 bits with reduce_range=True; that
@@ -31,18 +31,41 @@ _QRANGE = 127
 _ACT_SLACK = 1e-3
 
 
+@dataclass(frozen=True)
+class Outliers:
+    """The columns of h kept in fp32, with what the screen needs for them; swapped as one object (a
+    recalibration replaces it while other threads may be reading the old one)."""
+
+    cols: torch.Tensor  # int64 [k]: columns of h kept in fp32 (massive activations)
+    # float32 [V, k]: W[:, cols] exactly when prepare_screen had the weight, else Ŵ[:, cols]
+    w: torch.Tensor
+    # float32 [V], >= ||W_i − Ŵ_i|| over the columns *not* in cols; set only with exact outlier columns
+    err_rest: Optional[torch.Tensor] = None
+
+
 @dataclass
 class ScreenState:
     """Everything a screen backend needs for one head (built once, reused every step)."""
 
     rows: Int8Rows
-    outlier_cols: torch.Tensor  # int64 [k]: columns of h kept in fp32 (massive activations)
-    w_outlier: torch.Tensor  # float32 [V, k] = Ŵ[:, outlier_cols]
+    outliers: Outliers
     # fbgemm packed weights (CPU fast path): a list of (first row, packed rows); see prepare_screen
     packed: Optional[list] = None
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
     ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def outlier_cols(self) -> torch.Tensor:
+        return self.outliers.cols
+
+    @property
+    def w_outlier(self) -> torch.Tensor:
+        return self.outliers.w
+
+    @property
+    def err_rest(self) -> Optional[torch.Tensor]:
+        return self.outliers.err_rest
 
     @property
     def vocab_size(self) -> int:
@@ -112,9 +135,52 @@ def _pack_chunks(state: "ScreenState", consolidate: bool) -> None:
         threading.Thread(target=_consolidate, args=(state,), name="hf_csv-screen-pack").start()
 
 
+def _err_rest(rows: Int8Rows, weight: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """A float32 upper bound on ||W_i − Ŵ_i|| over the columns not in ``cols``, per row.
+
+    ||e_rest||² = ||e||² − ||e_J||² <= err_l2² − (a lower bound on ||e_J||²). In float64: err_l2² is exact
+    (a float32 squared), Ŵ_J = s·q exact (24 + 7 bits), and each difference, square and sum of the k terms
+    errs by at most (k + 4)·2^-53 relatively, so ``(1 − 1e-12)`` makes the computed ||e_J||² a lower bound for
+    any k < 10^3; the square root (relative error 2^-53) is then raised by ``1 + 1e-12`` and rounded up to
+    float32. Cost: V·k, not V·d.
+    """
+    if cols.numel() > 1000:  # the margins above assume it (no head has that many massive activations)
+        raise ValueError("at most 1000 exact outlier columns")
+    wJ = weight[:, cols].double()
+    eJ = wJ - rows.q[:, cols].double() * rows.scale.double()[:, None]
+    low = eJ.square().sum(1) * (1 - 1e-12)
+    rest = (rows.err_l2.double().square() - low).clamp_(min=0).sqrt_() * (1 + 1e-12)
+    return round_up_f32(rest)
+
+
+def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
+                  weight: Optional[torch.Tensor] = None) -> Outliers:
+    """The outlier part of a screen for the columns ``outlier_cols`` (exact W[:, J] when ``weight`` is given,
+    see :func:`prepare_screen`). Costs one V×k gather of the weight, not a repack: a screen can swap it in
+    (``state.outliers = ...``) after a recalibration."""
+    V, d = rows.q.shape
+    if outlier_cols is None:
+        outlier_cols = torch.zeros(0, dtype=torch.long, device=rows.q.device)
+    outlier_cols = outlier_cols.to(device=rows.q.device, dtype=torch.long)
+    if outlier_cols.numel() and (outlier_cols.min() < 0 or outlier_cols.max() >= d):
+        raise ValueError(f"outlier columns must lie in [0, {d})")
+    if weight is not None and outlier_cols.numel():
+        if tuple(weight.shape) != (V, d):
+            raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
+        w_out = weight[:, outlier_cols].to(torch.float32).contiguous()  # fp32/bf16/fp16 -> fp32 is exact
+        return Outliers(outlier_cols, w_out, _err_rest(rows, weight, outlier_cols).to(rows.err_l2.device))
+    return Outliers(outlier_cols, (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous())
+
+
 def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True,
-                   consolidate: bool = True, background: bool = False) -> ScreenState:
+                   consolidate: bool = True, background: bool = False,
+                   weight: Optional[torch.Tensor] = None) -> ScreenState:
     """Build the per-head screen state; pack the int8 rows for fbgemm when on CPU.
+
+    ``weight``: the head weight the rows quantize. With it, the outlier columns are kept *exactly*
+    (W[:, J] in float32, exact for fp32/bf16/fp16 weights) and the screen's weight term shrinks from
+    ||W_i − Ŵ_i||·||h|| to ||W_i − Ŵ_i||_rest·||h_rest||: the massive activations, which dominate ||h||,
+    no longer multiply a quantization error (docs/certificates.md §1.1, Lemma 1′). Without it, Ŵ[:, J] (as before).
 
     Packing runs on ``torch.get_num_threads()`` threads in chunks of rows; with ``consolidate`` a
     background thread then builds one pack for all rows (faster per call) and swaps it in. With
@@ -122,14 +188,8 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     too and ``state.ready`` is set when they are in place; :func:`screen_int8_cpu` waits for it, so
     callers that cannot wait check ``state.ready`` first (hf_csv uses the full head meanwhile).
     """
-    V, d = rows.q.shape
-    if outlier_cols is None:
-        outlier_cols = torch.zeros(0, dtype=torch.long, device=rows.q.device)
-    outlier_cols = outlier_cols.to(device=rows.q.device, dtype=torch.long)
-    if outlier_cols.numel() and (outlier_cols.min() < 0 or outlier_cols.max() >= d):
-        raise ValueError(f"outlier columns must lie in [0, {d})")
-    w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
-    state = ScreenState(rows=rows, outlier_cols=outlier_cols, w_outlier=w_out)
+    V = rows.q.shape[0]
+    state = ScreenState(rows=rows, outliers=make_outliers(rows, outlier_cols, weight))
     if pack_cpu and rows.q.dtype == torch.int8 and rows.q.device.type == "cpu" and fbgemm_available():
         if background and V > _PACK_ROWS:
             threading.Thread(target=_pack_chunks, args=(state, consolidate), name="hf_csv-screen-pack",
@@ -179,6 +239,10 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     most s_X/2, so |<Ŵ_i, h_rest − ĥ_rest>| <= ||Ŵ_i||_1 · m_r · s_X/2. The int32
     accumulation is exact; the remaining float steps (dequantization, rescale, the
     fp32 outlier GEMV over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
+
+    Weight term: ||W_i − Ŵ_i||·||h_r|| with Ŵ's outlier columns; with exact ones (``state.err_rest``, see
+    :func:`prepare_screen`) ||W_i − Ŵ_i||_rest·||h_rest|| instead, and the outlier GEMV and the add, now over
+    W_J, are covered by an extra (γ_{k+2} + 4u)·||W_i||_1·||h_r||_∞ (docs/certificates.md §1.1, Lemma 1′).
     """
     if not state.ready.is_set():  # packing in the background: wait (hf_csv's head checks first)
         state.ready.wait()
@@ -186,7 +250,8 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
         return screen_int8_reference(state, H)
     rows = state.rows
     H = H.float()
-    J = state.outlier_cols
+    out = state.outliers  # read once: a recalibration may swap in another set meanwhile
+    J = out.cols
     h_rest = H.clone()
     if J.numel():
         h_rest[:, J] = 0
@@ -203,13 +268,19 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
             est[:, lo: lo + part.shape[1]] = part
     est.mul_(m)
     if J.numel():
-        est.addmm_(H[:, J], state.w_outlier.T)
+        est.addmm_(H[:, J], out.w.T)
     # the step fbgemm chooses: range of X over the whole batch, including 0, over 127 levels
     s_x = (X.max().clamp(min=0) - X.min().clamp(max=0)) / _QRANGE
     act = m * (0.5 * (1 + _ACT_SLACK)) * s_x  # [N, 1]
     u = unit_roundoff()
     hinf = H.abs().amax(dim=1, keepdim=True)
     coef = act + (64 * u + gamma(J.numel() + 2)) * hinf
+    if out.err_rest is not None:
+        hn2 = h_rest.norm(dim=1, keepdim=True) * (1 + 4 * u)
+        rad = torch.mul(out.err_rest, hn2).addcmul_(rows.l1, coef)
+        # + 4u·||W_i||_1·||h_r||_∞: the caller's rounding margin for est + rad (hf_csv.bounds) assumes
+        # |est| <= 2·||Ŵ_i||_1·||h_r||_∞, and the exact outlier part is bounded by ||W_i||_1, not ||Ŵ_i||_1
+        return est, rad.addcmul_(rows.abs_l1, (gamma(J.numel() + 2) + 4 * u) * hinf)
     hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * u)
     rad = torch.mul(rows.err_l2, hn2).addcmul_(rows.l1, coef)
     return est, rad

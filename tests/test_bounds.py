@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hf_csv.bounds import ClusterProvider, ScreenProvider
 from hf_csv.index import VocabIndex
 from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
-from hf_csv_kernels.screen import prepare_screen, screen_int8_cpu, screen_int8_reference
+from hf_csv_kernels.screen import Outliers, prepare_screen, screen_int8_cpu, screen_int8_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -69,11 +69,64 @@ def test_screen_kernels_two_sided(head):
     """Both screen backends: |<W_i,h> - est| <= rad (a two-sided bound, bias excluded)."""
     W, _, H = head
     rows = quantize_rows_int8(W)
-    state = prepare_screen(rows, torch.tensor([0]))
     ex = H.double() @ W.double().T
-    for fn in (screen_int8_reference, screen_int8_cpu):
-        est, rad = fn(state, H)
-        assert ((ex - est.double()).abs() <= rad.double()).all(), fn.__name__
+    cols = torch.arange(min(3, W.shape[1]))
+    for state in (prepare_screen(rows, torch.tensor([0])), prepare_screen(rows, cols, weight=W)):
+        for fn in (screen_int8_reference, screen_int8_cpu):
+            est, rad = fn(state, H)
+            assert ((ex - est.double()).abs() <= rad.double()).all(), fn.__name__
+
+
+def _off_grid_head(V=64, d=48, k=4, seed=0):
+    """Rows whose outlier-column weights sit halfway between int8 levels (the largest quantization error
+    there), the other columns on the grid, and hidden states whose outlier columns are massive."""
+    g = torch.Generator().manual_seed(seed)
+    s = 0.01
+    q = torch.randint(-127, 128, (V, d), generator=g).float()
+    q[:, 0] = 127  # fixes the row scale at s
+    W = q * s
+    J = torch.arange(1, k + 1)
+    W[:, J] = (torch.randint(-100, 100, (V, k), generator=g).float() + 0.5) * s
+    H = torch.randn(3, d, generator=g)
+    H[:, J] = 1e4 * torch.sign(torch.randn(3, k, generator=g))
+    return W, H, J
+
+
+def test_exact_outlier_columns_shrink_the_weight_term():
+    """With the weight, the outlier columns are W[:, J] itself and the weight term drops to the rest of the
+    columns: sound and far tighter where the massive activations meet quantization error. (If the columns
+    were Ŵ[:, J] with the rest-only radius, the two-sided check below would fail: the J error times 1e4.)"""
+    W, H, J = _off_grid_head()
+    rows = quantize_rows_int8(W)
+    ex = H.double() @ W.double().T
+    old = prepare_screen(rows, J)
+    new = prepare_screen(rows, J, weight=W)
+    assert torch.equal(new.w_outlier, W[:, J])
+    assert (new.err_rest.double() >= (W - rows.dequantize())[:, [j for j in range(W.shape[1]) if j not in J]]
+            .double().norm(dim=1)).all()
+    e_old, r_old = screen_int8_cpu(old, H)
+    e_new, r_new = screen_int8_cpu(new, H)
+    assert ((ex - e_old.double()).abs() <= r_old.double()).all()
+    assert ((ex - e_new.double()).abs() <= r_new.double()).all()
+    assert float(r_new.max()) < 0.05 * float(r_old.min())  # measured: 2.5 against 201
+    # the rest-only radius with Ŵ's outlier columns is unsound here: the test above can fail
+    old.outliers = Outliers(old.outliers.cols, old.outliers.w, new.err_rest)
+    e_bad, r_bad = screen_int8_cpu(old, H)
+    assert not ((ex - e_bad.double()).abs() <= r_bad.double()).all()
+
+
+def test_exact_outlier_columns_in_bf16():
+    """A bf16 weight converts to fp32 exactly; the bound holds against the bf16 head's real logits."""
+    W, H, J = _off_grid_head(seed=1)
+    Wb = W.bfloat16()
+    rows = quantize_rows_int8(Wb)
+    st_ = prepare_screen(rows, J, weight=Wb)
+    assert st_.w_outlier.dtype == torch.float32 and torch.equal(st_.w_outlier, Wb[:, J].float())
+    est, rad = screen_int8_cpu(st_, H)
+    ex = H.double() @ Wb.double().T
+    assert ((ex - est.double()).abs() <= rad.double()).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        prepare_screen(rows, J, weight=Wb[:, :-1])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,3 +183,32 @@ def test_screen_rejects_bad_weight():
         ScreenProvider(torch.randn(3, 4, 5))
     with pytest.raises(ValueError, match="non-finite"):
         ScreenProvider(torch.tensor([[float("nan"), 1.0]]))
+
+
+def test_first_call_columns_are_rechosen_from_more_rows():
+    """Columns chosen from a single first row are re-chosen once from the first 8 rows (no repack), the
+    swap is one object, and the bound stays sound before and after. A given choice is never changed."""
+    g = torch.Generator().manual_seed(5)
+    V, d = 200, 32
+    W = torch.randn(V, d, generator=g)
+    prov = ScreenProvider(W, num_outliers=2)
+    h0 = torch.randn(1, d, generator=g)
+    h0[0, 3] = 500.0  # the first row's outlier is not where the later rows' are
+    _, U0 = prov(h0)
+    assert prov.state.outlier_cols.tolist() == sorted(h0.abs().amax(0).topk(2).indices.tolist())
+    packed, first = prov.state.packed, prov.state.outliers
+    later = torch.randn(7, d, generator=g)
+    later[:, 10] = 800.0
+    later[:, 20] = -900.0
+    for r in range(7):
+        _, U = prov(later[r: r + 1])
+        assert (U.double() >= exact64(W, None, later[r: r + 1])).all()
+    assert prov.recalibrated and prov.state.outlier_cols.tolist() == [10, 20]
+    assert prov.state.packed is packed and prov.state.outliers is not first
+    assert torch.equal(prov.state.w_outlier, W[:, [10, 20]])
+    _, U1 = prov(h0)
+    assert (U1.double() >= exact64(W, None, h0)).all()
+    fixed = ScreenProvider(W, num_outliers=2, outlier_cols=torch.tensor([0, 1]))
+    for r in range(8):
+        fixed(later[r % 7: r % 7 + 1])
+    assert fixed.state.outlier_cols.tolist() == [0, 1] and not fixed.recalibrated
