@@ -88,23 +88,26 @@ class ScreenProvider:
         return amax.topk(self.num_outliers).indices.sort().values
 
     def warm(self, H: torch.Tensor) -> None:
-        """Calibrate on ``H`` if this is the first call (starts the packing); until ``recalibrate_rows`` rows
-        have been seen, keep the largest |h_j| per column and then choose the columns once more from them."""
+        """Calibrate on ``H`` if this is the first call (starts the packing). Rows are counted towards the
+        re-choice of the columns by :meth:`__call__` only (a caller may warm and then call on the same rows)."""
         if self.state is None:
             with self._calibrating:
                 if self.state is None:
-                    self._seen = H.reshape(-1, self.hidden_size).float().abs().amax(0)
-                    self._seen_rows = H.reshape(-1, self.hidden_size).shape[0]
-                    self._prepare(self._choose(self._seen) if self.num_outliers else None)
-                    self._maybe_recalibrate()
-                    return
-        if self._seen is not None:
-            with self._calibrating:
-                if self._seen is not None:
-                    Hr = H.reshape(-1, self.hidden_size)
-                    torch.maximum(self._seen, Hr.float().abs().amax(0), out=self._seen)
-                    self._seen_rows += Hr.shape[0]
-                    self._maybe_recalibrate()
+                    Hr = H.reshape(-1, self.hidden_size).float()
+                    if self.num_outliers:
+                        self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=Hr.device)
+                        self._seen_rows = 0
+                    self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None)
+
+    def _observe(self, H: torch.Tensor) -> None:
+        """Until ``recalibrate_rows`` rows have been seen, keep the largest |h_j| per column; then choose the
+        columns once more from them."""
+        with self._calibrating:
+            if self._seen is not None:
+                Hr = H.reshape(-1, self.hidden_size)
+                torch.maximum(self._seen, Hr.float().abs().amax(0), out=self._seen)
+                self._seen_rows += Hr.shape[0]
+                self._maybe_recalibrate()
 
     def _maybe_recalibrate(self) -> None:
         """(Under the lock.) Once enough rows are seen: the columns from all of them, swapped in as one object
@@ -134,6 +137,8 @@ class ScreenProvider:
     @torch.no_grad()
     def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.warm(H)
+        if self._seen is not None:
+            self._observe(H)
         est, rad = get_op("screen_int8", H.device)(self.state, H)
         if self.bias is not None:
             est = est.add_(self.bias)

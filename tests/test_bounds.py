@@ -212,3 +212,19 @@ def test_first_call_columns_are_rechosen_from_more_rows():
     for r in range(8):
         fixed(later[r % 7: r % 7 + 1])
     assert fixed.state.outlier_cols.tolist() == [0, 1] and not fixed.recalibrated
+
+
+def test_rows_count_once_when_the_head_warms_first():
+    """CertifiedHead checks ``ready`` (which warms the screen) before each call: a step's row counts once."""
+    from hf_csv.certificate import CertifiedHead
+
+    g = torch.Generator().manual_seed(6)
+    W = torch.randn(300, 32, generator=g)
+    ch = CertifiedHead(W)
+    for step in range(8):
+        h = torch.randn(1, 32, generator=g)
+        assert ch.ready(h)
+        ch.topk(h, k=1)
+        if step < 7:
+            assert ch.provider._seen is not None and ch.provider._seen_rows == step + 1
+    assert ch.provider._seen is None  # re-chosen after exactly 8 rows
