@@ -40,18 +40,19 @@ class ScreenProvider:
     """Certified int8 screen over every token.
 
     ``num_outliers`` columns of h with the largest magnitude (the "massive activations")
-    are kept exact in fp32 (W[:, J] itself) on the CPU fbgemm path. Given (``outlier_cols``, an
-    artifact's calibration) or fixed by :meth:`calibrate`, they stay; otherwise the first call chooses
-    them and they are chosen once more from the largest |h_j| of the first ``recalibrate_rows`` rows
-    (a decode step is one row, and one row is a poor sample). The bound is sound for *any* choice:
-    a poor choice only makes it looser.
+    are kept exact in fp32 (W[:, J] itself) on the CPU fbgemm path. The first call chooses them (or
+    ``outlier_cols`` gives them) and they are chosen once more from the largest |h_j| of the first
+    ``recalibrate_rows`` rows (a decode step is one row, and one row is a poor sample); given columns are
+    re-chosen only with ``recalibrate=True`` (an artifact's, calibrated on a dummy input), and
+    :meth:`calibrate` fixes them for good. The bound is sound for *any* choice: a poor choice only makes
+    it looser.
     """
 
     name = "screen"
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
                  outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8", rows: Optional[Int8Rows] = None,
-                 background: bool = False):
+                 background: bool = False, recalibrate: Optional[bool] = None):
         if weight.dim() != 2:
             raise ValueError(f"head weight must be [V, d], got {tuple(weight.shape)}")
         self.vocab_size, self.hidden_size = weight.shape
@@ -78,8 +79,13 @@ class ScreenProvider:
         self.recalibrated = False
         self._seen: Optional[torch.Tensor] = None
         self._seen_rows = 0
+        # re-choose the columns from the first rows: by default only when none were given; an artifact's columns
+        # (calibrated on a dummy input) are a start, re-chosen too (hf_csv.head passes recalibrate=True)
+        self._recalibrate = (outlier_cols is None if recalibrate is None else bool(recalibrate)) and self.num_outliers > 0
         if outlier_cols is not None or self.num_outliers == 0:
             self._prepare(outlier_cols)
+            if self._recalibrate:
+                self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=weight.device)
 
     def _prepare(self, cols: Optional[torch.Tensor]) -> None:
         self.state = prepare_screen(self.rows, cols, background=self.background, weight=self._weight)
@@ -94,7 +100,7 @@ class ScreenProvider:
             with self._calibrating:
                 if self.state is None:
                     Hr = H.reshape(-1, self.hidden_size).float()
-                    if self.num_outliers:
+                    if self._recalibrate:
                         self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=Hr.device)
                         self._seen_rows = 0
                     self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None)

@@ -241,7 +241,9 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
                     kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant, "background": True}
                     if art is not None and art.screen is not None and art.screen.quant == config.screen_quant:
                         # skip the quantization: the stored codes, error terms recomputed from this head
-                        kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols)
+                        # (its columns were calibrated on a dummy input: re-chosen from the first 8 real rows)
+                        kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols,
+                                  recalibrate=True)
                 elif index is None:
                     raise CSVError("provider='cluster' needs a cluster index; this artifact has none "
                                    "(hf-csv build --index)")

@@ -209,9 +209,12 @@ def test_first_call_columns_are_rechosen_from_more_rows():
     _, U1 = prov(h0)
     assert (U1.double() >= exact64(W, None, h0)).all()
     fixed = ScreenProvider(W, num_outliers=2, outlier_cols=torch.tensor([0, 1]))
+    start = ScreenProvider(W, num_outliers=2, outlier_cols=torch.tensor([0, 1]), recalibrate=True)  # an artifact's
     for r in range(8):
         fixed(later[r % 7: r % 7 + 1])
+        start(later[r % 7: r % 7 + 1])
     assert fixed.state.outlier_cols.tolist() == [0, 1] and not fixed.recalibrated
+    assert start.state.outlier_cols.tolist() == [10, 20] and start.recalibrated
 
 
 def test_rows_count_once_when_the_head_warms_first():
