@@ -35,6 +35,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .head import CSVSession, active_session, find_head
+from .processors import CSVLogitsProcessor
 from .scope import certified, instance_override, new_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings",
@@ -106,7 +107,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     inner: Callable = gen.get_candidates
     stats = CertStats()
     summary = main.extra["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
-                                     "reasons": [], "rows": 0}
+                                     "verify_reruns": 0, "reasons": [], "rows": 0}
 
     def get_candidates(input_ids, **kwargs):
         sess = new_session(assistant, config)
@@ -116,6 +117,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         summary["calls"] += 1
         summary["head_calls"] += sess.head_calls
         summary["full_head_calls"] += sess.full_calls
+        summary["verify_reruns"] += sess.verify_reruns
         if sess.head_calls:  # a call that returned early (max_new_tokens == 0) decided nothing
             summary["mode"] = sess.mode
         summary["reasons"] += [r for r in sess.reasons if r not in summary["reasons"]]
@@ -150,6 +152,12 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
         sess = active_session(model)
         if sess is None or sess.draft:
             return gen
+        procs = getattr(gen, "logits_processor", None)
+        if procs is not None and any(isinstance(p, CSVLogitsProcessor) for p in procs):
+            # the generator hands the target's processors to the assistant's generate: the target's check (bound to
+            # the target's session and stash) must not run on the draft's scores; a certified draft session adds
+            # its own, a stock draft head needs none
+            gen.logits_processor = type(procs)([p for p in procs if not isinstance(p, CSVLogitsProcessor)])
         if type(gen) is not AssistedCandidateGenerator:
             sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
             if sess.mode == "spec":  # its candidates may come without the draft logits the certified verify needs

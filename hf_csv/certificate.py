@@ -321,7 +321,7 @@ class CertifiedHead:
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
-             always: int = 0, with_upper: bool = False) -> CertResult:
+             always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -336,25 +336,40 @@ class CertifiedHead:
 
         ``with_upper``: also return ``upper`` [N, V], a bound on stock's fp32 logit of every token (read off S:
         Whisper's avg-logprob interval, docs/certificates.md §3.6).
+
+        ``k_min``: on rows where the set for ``k`` would exceed the budget, S holds stock's top-``k_min`` instead
+        (the same proof with the first ``k_min`` seeds), so a wider K never costs a row its certificate. The
+        guarantee is then only top-``k_min``; callers that want more must not pass it.
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
+        if k_min is not None and not 1 <= k_min <= k:
+            raise ValueError(f"k_min must be in [1, k={k}], got {k_min}")
         if not 0 <= always < self.vocab_size:
             raise ValueError(f"always must be in [0, {self.vocab_size}), got {always}")
         kw = {"with_upper": True} if with_upper else {}
+        if k_min is not None and k_min < k:
+            kw["k_min"] = int(k_min)
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
-              always: int = 0, with_upper: bool = False) -> CertResult:
+              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
         est, U = self.provider(Hf)
-        seeds = est.argmax(1, keepdim=True) if k == 1 else est.topk(k, dim=1).indices
+        seeds = est.argmax(1, keepdim=True) if k == 1 else est.topk(k, dim=1).indices  # sorted: est's top first
         rows = torch.arange(N, device=Hf.device).repeat_interleave(seeds.shape[1])
-        lo = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1).amin(1)
-        t, bound = _cut(lo, self.stock_error(Hf), d)
+        lows = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1)
+        E = self.stock_error(Hf)
+        t, bound = _cut(lows.amin(1), E, d)
         S = U >= t[:, None]
+        if k_min is not None:
+            over = S.sum(1) > self.budget + always
+            if bool(over.any()):  # those rows: the certificate of the first k_min seeds (a smaller S)
+                t_min, bound_min = _cut(lows[:, :k_min].amin(1), E, d)
+                t, bound = torch.where(over, t_min, t), torch.where(over, bound_min, bound)
+                S = U >= t[:, None]
         if always:
             S[:, self.vocab_size - always:] = True
         logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always)

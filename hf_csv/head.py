@@ -74,6 +74,9 @@ class StepStash:
     noise: Optional[torch.Tensor] = None  # [B, P, V] sample mode, draw after the processors: Gumbel noise
     cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
     upper: Optional[torch.Tensor] = None  # [B, P, V] spec mode: bound on stock's fp32 logit of every token
+    # [B, P, V] stock's head on all B·P rows, computed once by the first re-run that needs it: assisted decoding
+    # checks up to P positions of one call, and each re-run used to repeat the whole GEMM (~0.2 s on Qwen-1.5B)
+    stock_full: Optional[torch.Tensor] = None
 
     def position(self, input_len: int) -> int:
         """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
@@ -100,6 +103,10 @@ class CSVSession:
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
     mode: str = "full"  # full | topk | threshold | beam | beam_exact | sample | epsilon | spec | nucleus (policy.decide_mode)
     k: int = 1
+    # topk mode: the K the head certifies, when larger than ``k`` (the warper's k, which the check uses). Lowering
+    # processors before the top-k warper (repetition penalty) can push stock's k-th score below the bound on the
+    # uncomputed tokens; a wider certified set keeps that rare (speed only: the check decides correctness)
+    k_head: int = 0
     temperature: float = 1.0
     warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
     verify: bool = False  # a CSVLogitsProcessor must check the certificate after other processors
@@ -390,7 +397,9 @@ class CSVHead(nn.Module):
             kw = {"always": sess.always} if sess.always else {}
             if sess.lp_record:
                 kw["with_upper"] = True
-            res = ch.topk(H, sess.k, out_dtype=sess.out_dtype, **kw)
+            if sess.k_head > sess.k:  # a wider set where it fits the budget, else the warper's k (policy._lowered_k)
+                kw.update(k_min=sess.k)
+            res = ch.topk(H, max(sess.k, sess.k_head), out_dtype=sess.out_dtype, **kw)
             out = res.logits
             if sess.fill_tail and res.est is not None:
                 out = _fill_tail(out, res.est, res.mask)

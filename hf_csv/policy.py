@@ -190,6 +190,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     cfg = session.config
     session.reasons.clear()
     session.verify = False
+    session.k_head = 0
     session.check_after = None
     session.check_before = None
     session.draw_after = False
@@ -260,6 +261,8 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         # greedy: argmax of processed scores. The post map and lowering processors need the per-row
         # check (rounding in the post map can tie an uncomputed token with the winner).
         session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
+        if lower:
+            session.k_head = _lowered_k(1, session.head.vocab_size)
         return session
     if not do_sample and num_beams > 1:
         if cfg.mode != "epsilon":
@@ -289,7 +292,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         return session
     # multinomial sampling
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
-    if _top_k_plan(session, processors, topks, top_k):
+    if _top_k_plan(session, processors, topks):
         return session
     why = _min_p_plan(session, processors, topks)
     if why is None:
@@ -362,18 +365,36 @@ def _timestamp_plan(session: CSVSession, processors: list, kinds: dict, do_sampl
     return session
 
 
-def _top_k_plan(session: CSVSession, processors: list, topks: list, top_k: Optional[int]) -> bool:
-    """Certified top-K checked right after the single top-k warper (docs/certificates.md §3.2), when only
-    order-preserving or lowering processors come before it: from there on every warper (top-p, min-p, ...),
-    stock's sampler and the speculative verify see exactly stock's vector. Returns whether it was set."""
-    if len(topks) != 1 or session.config.mode == "sample" or top_k >= session.head.vocab_size:
+def _top_k_plan(session: CSVSession, processors: list, topks: list) -> bool:
+    """Certified top-K checked right after the first top-k warper (docs/certificates.md §3.2), when only
+    order-preserving or lowering processors come before it: from there on every processor (top-p, min-p, a second
+    top-k, ...), stock's sampler and the speculative verify see exactly stock's vector. (An assistant's list holds
+    the target's warpers and its own again: transformers 5.x passes the target's processors to the assistant's
+    generate.) K is the first warper's k. Returns whether it was set."""
+    if not topks or session.config.mode == "sample":
         return False
     i = topks[0]
+    top_k = int(processors[i].top_k)
+    if top_k >= session.head.vocab_size:
+        return False
     if not {classify_processor(p) for p in processors[:i]} <= {"order", "lower"}:
         return False
     session.mode, session.k, session.verify = "topk", top_k, True
     session.check_after = processors[i]
+    if any(classify_processor(p) == "lower" for p in processors[:i]):
+        session.k_head = _lowered_k(top_k, session.head.vocab_size)
     return True
+
+
+# topk mode after lowering processors (repetition penalty, ...): the head certifies this many times the warper's k
+# (at least _LOWER_K_MIN more), so that the k-th processed score rarely falls to the bound on the uncomputed tokens.
+# Measured on Qwen-1.5B at Qwen's defaults (top_k 20, repetition_penalty 1.05, docs/benchmarks.md §7): with K = k,
+# 18 of ~80 assisted target calls re-ran stock's head; the certified set's extra rows cost little.
+_LOWER_K_FACTOR, _LOWER_K_MIN = 2, 8
+
+
+def _lowered_k(k: int, vocab_size: int) -> int:
+    return min(vocab_size, max(_LOWER_K_FACTOR * k, k + _LOWER_K_MIN))
 
 
 # min-p's kept set is {p_i >= min_p · p_max} = {x_i − max >= ln(min_p)}; below this, min_p would keep
@@ -460,7 +481,7 @@ def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, 
         session.set_full("assisted beam sampling is not certified")
         return session
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
-    if _top_k_plan(session, processors, topks, top_k):
+    if _top_k_plan(session, processors, topks):
         return session
     names = {type(p).__name__ for p in processors}
     if not session.spec_ok:
@@ -497,6 +518,8 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
             session.set_full(f"greedy draft with normalizing processors {kinds['norm']}")
             return session
         session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
+        if lower:
+            session.k_head = _lowered_k(1, session.head.vocab_size)
         thr = getattr(gc, "assistant_confidence_threshold", None)
         session.fill_tail = bool(thr) and not lower and post.identity
         return session
@@ -507,7 +530,7 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     # samples from what they leave, which is still what it returns; CSVLogitsProcessor only
     # re-runs a row with the full head if they leave nothing finite in it.
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
-    if top_k and top_k <= cfg.draft_top_k and _top_k_plan(session, list(processors), topks, top_k):
+    if top_k and top_k <= cfg.draft_top_k and _top_k_plan(session, list(processors), topks):
         return session
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     session.mode, session.k, session.verify = "topk", k, lower

@@ -252,8 +252,10 @@ class CSVLogitsProcessor(LogitsProcessor):
         B, P, d = last.H.shape
         raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
         idx = bad.nonzero(as_tuple=True)[0]
-        # stock's values: its GEMM over all B·P rows (a GEMM on fewer rows may round differently)
-        full = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
+        # stock's values: its GEMM over all B·P rows (a GEMM on fewer rows may round differently), once per head call
+        if last.stock_full is None:
+            last.stock_full = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)
+        full = last.stock_full[:, p]
         raw[idx] = full[idx].to(raw.dtype)
         if sess.post is not None and not sess.post.identity:
             raw = sess.post.apply(raw)

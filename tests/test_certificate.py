@@ -122,6 +122,34 @@ def test_default_budget_certifies_rows_up_to_an_eighth_of_v():
     assert low.stats.fallback == 1 and bool(low.mask[0].all())
 
 
+
+def test_wider_k_falls_back_to_k_min_per_row_not_to_the_full_head():
+    """``topk(k, k_min=...)``: a row whose set for k would exceed the budget gets the set for k_min (stock's top-k_min
+    exactly, certified) instead of the full row; other rows keep stock's top-k (policy._lowered_k: a wider set after
+    a repetition penalty must never cost a row its certificate)."""
+    g = torch.Generator().manual_seed(1)
+    V, d, k, k_min, m = 4000, 32, 10, 5, 600  # m > budget V/8 = 500 near-equal rows just below the top 5
+    w0 = torch.randn(d, generator=g)
+    W = torch.randn(V, d, generator=g)
+    W[:k_min] = 3 * w0 + 0.05 * torch.randn(k_min, d, generator=g)
+    W[k_min:k_min + m] = w0 + 1e-3 * torch.randn(m, d, generator=g)
+    H = torch.cat([2 * w0[None], torch.randn(1, d, generator=g) * 4])
+    ch = CertifiedHead(W)
+    plain = ch.topk(H, k)
+    assert plain.stats.fallback == 1 and bool(plain.mask[0].all())  # row 0's top-10 set holds the whole cluster
+    res = ch.topk(H, k, k_min=k_min)
+    assert res.stats.fallback == 0 and res.stats.certified == 2
+    assert int(res.mask[0].sum()) < m  # the k_min set, without the cluster
+    ref = ch.stock(H)
+    for row, kk in ((0, k_min), (1, k)):  # stock's top-k_min on the narrowed row, top-k on the other
+        top = ref[row].topk(kk)
+        assert torch.equal(res.logits[row].topk(kk).indices.sort().values, top.indices.sort().values)
+        assert torch.equal(res.logits[row, top.indices], top.values)
+        outside = ~res.mask[row]
+        assert bool((ref[row][outside] <= res.bound[row]).all()) and float(res.bound[row]) < float(top.values[-1])
+    with pytest.raises(ValueError, match="k_min"):
+        ch.topk(H, k, k_min=k + 1)
+
 def test_nonfinite_hidden_state_falls_back_counted():
     W = torch.randn(100, 8)
     H = torch.randn(3, 8)
