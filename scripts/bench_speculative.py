@@ -449,6 +449,11 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
                         reasons.update(st["reasons"])
                         head_tot["rows"] += st.get("rows", 0)
                         head_tot["certified"] += st.get("certified", 0)
+                        # rows whose check failed after the processors and re-ran stock's head (docs/certificates.md §3.2)
+                        head_tot["reruns"] = head_tot.get("reruns", 0) + st.get("verify_reruns", 0)
+                        draft = st.get("draft") or {}
+                        for k in ("rows", "certified", "verify_reruns"):
+                            head_tot["draft_" + k] = head_tot.get("draft_" + k, 0) + draft.get(k, 0)
                         for k, v in (st.get("speculative") or {}).items():
                             if isinstance(v, int):
                                 spec_tot[k] = spec_tot.get(k, 0) + v
@@ -466,6 +471,10 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
             "target_mode": sorted(modes), "reasons": sorted(reasons),
             "target_head_rows": head_tot["rows"], "target_head_rows_certified": head_tot["certified"],
             "target_head_certified_fraction": head_tot["certified"] / head_tot["rows"] if head_tot["rows"] else None,
+            "target_rows_rerun": head_tot.get("reruns", 0),
+            "draft_head_rows": head_tot.get("draft_rows", 0),
+            "draft_head_rows_certified": head_tot.get("draft_certified", 0),
+            "draft_rows_rerun": head_tot.get("draft_verify_reruns", 0),
             "verify_rows": spec_tot.get("target_rows", 0),
             "verify_rows_by_bounds": spec_tot.get("target_rows_by_bounds", 0),
             "verify_rows_completed": spec_tot.get("target_rows_completed", 0),
