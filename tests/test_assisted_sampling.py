@@ -7,6 +7,7 @@
   assisted sampling over the first two tokens (chi-square, α = 1e-3, fixed seeds);
 * paths that cannot be certified say so and use the full head.
 """
+import contextlib
 import copy
 import os
 import random
@@ -296,6 +297,20 @@ def test_spec_round_without_drafts_uses_the_full_head(pair):
     assert st["head_calls"] - st["full_head_calls"] == st["speculative"]["verify_calls"]
 
 
+@contextlib.contextmanager
+def _constant_draft_length(draft, n: int):
+    """The assistant drafts ``n`` tokens per round while inside (restored after). On the assistant's own config: stock
+    ignores num_assistant_tokens passed to the target's generate, hf_csv applies it (transformers #40739), and a
+    different draft length is a different random stream."""
+    gc = draft.generation_config
+    saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = n, "constant"
+    try:
+        yield
+    finally:
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
+
+
 @pytest.fixture(scope="module")
 def wide_pair():
     """V = 4096: above the size where hf_csv's own verify races in two levels (hf_csv_kernels.verify.RACE_BLOCK), so
@@ -319,12 +334,7 @@ def test_assisted_top_k_sampling_is_stock_token_for_token(wide_pair, kw):
     ids = torch.tensor([[5, 17, 33, 2, 9], [7, 7, 40, 41, 3]])
     gen = dict(kw, do_sample=True, max_new_tokens=24, pad_token_id=0)
     rejections = 0
-    # (on the assistant's own config: stock ignores num_assistant_tokens passed to the target's generate, hf_csv
-    # applies it, transformers #40739, and a different draft length is a different random stream)
-    gc = draft.generation_config
-    saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 4, "constant"
-    try:
+    with _constant_draft_length(draft, 4):
         for seed in range(3):
             row = ids[seed % 2:seed % 2 + 1]
             torch.manual_seed(seed)
@@ -339,9 +349,6 @@ def test_assisted_top_k_sampling_is_stock_token_for_token(wide_pair, kw):
             sp = st["speculative"]
             rejections += sp["drafted"] - sp["accepted"]
         assert rejections > 0  # residual draws happened (the part of the stream hf_csv's own verify draws differently)
-    finally:
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
-
 
 
 def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, monkeypatch):
@@ -361,9 +368,6 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
         return stock(self, H)
 
     monkeypatch.setattr(C.CertifiedHead, "stock", counted)
-    gc = draft.generation_config
-    saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 6, "constant"
     gen = dict(top_k=4, temperature=0.7, repetition_penalty=3.0, do_sample=True, max_new_tokens=40, pad_token_id=0)
 
     def run(factor, minimum):
@@ -386,7 +390,7 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
         return reruns, calls["n"], heads, equal
 
     default = POL._LOWER_K_FACTOR, POL._LOWER_K_MIN
-    try:
+    with _constant_draft_length(draft, 6):
         narrow, narrow_gemms, heads, equal = run(1, 0)  # K = k: the set before the fix
         assert equal
         assert narrow > 0, "the case must exercise re-runs with K = k"
@@ -396,8 +400,6 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
         wide, _, _, equal = run(*default)
         assert equal
         assert wide < narrow / 2, (wide, narrow)  # measured 0 against 180
-    finally:
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
 
 
 def test_stock_draft_head_in_assisted_sampling(wide_pair):
@@ -405,12 +407,9 @@ def test_stock_draft_head_in_assisted_sampling(wide_pair):
     not run on the draft's scores (it raised "processor input length ... does not match the head call" before);
     the target stays certified and the tokens are stock's."""
     target, draft = wide_pair
-    gc = draft.generation_config
-    saved = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 4, "constant"
     gen = dict(top_k=20, temperature=0.7, top_p=0.8, repetition_penalty=1.05, do_sample=True, max_new_tokens=16,
                pad_token_id=0)
-    try:
+    with _constant_draft_length(draft, 4):
         row = torch.tensor([[5, 17, 33, 2, 9]])
         torch.manual_seed(3)
         ref = target.generate(row, assistant_model=draft, **gen)
@@ -420,8 +419,6 @@ def test_stock_draft_head_in_assisted_sampling(wide_pair):
         assert torch.equal(ref, out.sequences)
         assert out.csv_stats["mode"] == "topk" and out.csv_stats["certified"] > 0
         assert "draft" not in out.csv_stats  # the draft head stayed stock's
-    finally:
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
 
 # ------------------------------------------------------------------ differential fuzz: token for token, top-k path
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -122,7 +122,6 @@ def test_default_budget_certifies_rows_up_to_an_eighth_of_v():
     assert low.stats.fallback == 1 and bool(low.mask[0].all())
 
 
-
 def test_wider_k_falls_back_to_k_min_per_row_not_to_the_full_head():
     """``topk(k, k_min=...)``: a row whose set for k would exceed the budget gets the set for k_min (stock's top-k_min
     exactly, certified) instead of the full row; other rows keep stock's top-k (policy._lowered_k: a wider set after
