@@ -365,7 +365,8 @@ class CertifiedHead:
         t, bound = _cut(lows.amin(1), E, d)
         S = U >= t[:, None]
         if k_min is not None:
-            over = S.sum(1) > self.budget + always
+            # _dense's test: |S ∪ A| > budget + |A| for the always-block A, i.e. |S \ A| > budget
+            over = S[:, :self.vocab_size - always].sum(1) > self.budget
             if bool(over.any()):  # those rows: the certificate of the first k_min seeds (a smaller S)
                 t_min, bound_min = _cut(lows[:, :k_min].amin(1), E, d)
                 t, bound = torch.where(over, t_min, t), torch.where(over, bound_min, bound)
