@@ -26,6 +26,7 @@ What it does, during one certified assisted ``generate`` call on the target mode
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -112,7 +113,10 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     def get_candidates(input_ids, **kwargs):
         sess = new_session(assistant, config)
         sess.draft = True
-        with certified(assistant, sess):
+        sess.gumbel = main.gumbel
+        if main.gumbel is not None and config.draft_head == "full" and sess.force_full is None:
+            sess.force_full = "CSVConfig(draft_head='full'): the draft's coupled draw runs on the full head"
+        with certified(assistant, sess), _coupled_confidence(gen, sess):
             out = inner(input_ids, **kwargs)
         summary["calls"] += 1
         summary["head_calls"] += sess.head_calls
@@ -129,6 +133,45 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     gen.get_candidates = get_candidates
 
 
+class DraftConfidenceStop:
+    """The assistant's confidence stop in Gumbel-coupled drafting: stock's ``ConfidenceCriteria`` reads the drafted
+    token's probability from the returned scores, which are one-hot there (:class:`hf_csv.processors.GumbelCoupledDraw`);
+    this criterion reads the probability that draw recorded instead. It only decides how many tokens are drafted."""
+
+    csv_safe = True  # reads no scores
+
+    def __init__(self, threshold: float, sess: CSVSession) -> None:
+        self.threshold, self.sess = float(threshold), sess
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        conf = self.sess.extra.get("_draft_conf_last")
+        stop = conf is not None and conf < self.threshold
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _coupled_confidence(gen: Any, sess: CSVSession):
+    """During one ``get_candidates`` of Gumbel-coupled drafting: stock's confidence stop off, ours on (same
+    threshold); both restored after, also on an exception."""
+    gc = getattr(gen, "generation_config", None)
+    thr = getattr(gc, "assistant_confidence_threshold", None)
+    kw = getattr(gen, "assistant_kwargs", None)
+    if sess.gumbel is None or not thr or not isinstance(kw, dict) or "stopping_criteria" in kw:
+        yield
+        return
+    from transformers import StoppingCriteriaList
+
+    gc.assistant_confidence_threshold = 0.0
+    kw["stopping_criteria"] = StoppingCriteriaList([DraftConfidenceStop(thr, sess)])
+    try:
+        yield
+    finally:
+        gc.assistant_confidence_threshold = thr
+        kw.pop("stopping_criteria", None)
+
+
 def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
     """When the generator returns no draft logits (its last call, once no new token fits: stock then samples
     from the target's row itself), the target's next head call must be complete: mode "spec" rows are -inf off
@@ -137,7 +180,7 @@ def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
 
     def get_candidates(*args: Any, **kwargs: Any):
         ids, logits = inner(*args, **kwargs)
-        if logits is None:
+        if logits is None and sess.mode == "spec":
             sess.spec_full_next = True
         return ids, logits
 
@@ -168,7 +211,7 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
         applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {}, sess)
         if applied:
             sess.extra["assistant_settings"] = applied
-        if sess.config.draft_head == "subvocab":
+        if sess.config.draft_head == "subvocab" or sess.gumbel is not None:
             try:
                 find_head(gen.assistant_model)
             except CSVError as e:

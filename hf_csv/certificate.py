@@ -93,6 +93,9 @@ class CertResult:
     cut: Optional[torch.Tensor] = None
     # spec only: [N, V] fp32, an upper bound on stock's fp32 logit of every token (used off S)
     upper: Optional[torch.Tensor] = None
+    # sample with given noise only: [N] the drawn token's probability, exact with a top-k warp, else with the
+    # normalizer estimated from the provider's estimate off S (a heuristic for an assistant's confidence stop)
+    conf: Optional[torch.Tensor] = None
 
 
 class CertifiedHead:
@@ -290,7 +293,10 @@ class CertifiedHead:
         stats.nonfinite += len(bad)
         good = finite.nonzero(as_tuple=True)[0]
         if len(good):
-            sub = fn(Hf[good], Hn[good], *args, **kwargs)
+            sub_kw = dict(kwargs)
+            if kwargs.get("noise") is not None:  # given per-row noise (Gumbel-coupled draws): the finite rows' rows
+                sub_kw["noise"] = kwargs["noise"][good]
+            sub = fn(Hf[good], Hn[good], *args, **sub_kw)
             stats.merge(sub.stats)
             if sub.logits is not None:
                 logits[good] = sub.logits
@@ -310,7 +316,9 @@ class CertifiedHead:
         if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
             if tokens is None:
                 tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
-            noise = gumbel_noise((N, self.vocab_size), Hf.device, kwargs.get("generator"))
+            noise = kwargs.get("noise")
+            noise = gumbel_noise((N, self.vocab_size), Hf.device, kwargs.get("generator")) if noise is None \
+                else noise.clone()
             cut = torch.full((N,), float("-inf"), device=Hf.device)
             if len(good):
                 noise[good] = sub.noise
@@ -496,7 +504,8 @@ class CertifiedHead:
     def sample(self, H: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                generator: Optional[torch.Generator] = None, out_dtype: Optional[torch.dtype] = None,
                post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-               warps: Optional[Sequence[tuple[str, float]]] = None) -> CertResult:
+               warps: Optional[Sequence[tuple[str, float]]] = None,
+               noise: Optional[torch.Tensor] = None) -> CertResult:
         """One exact draw per row from stock's sampling law.
 
         Stock's law: the head's logits in ``out_dtype`` (bf16 for a bf16 model), then ``post`` (the
@@ -510,6 +519,10 @@ class CertifiedHead:
         Without one, lazy Gumbel-max: any token whose warped upper bound plus its Gumbel noise is
         below the seed's certified lower value plus noise cannot be the argmax (docs/certificates.md §2.3).
         Rows with tokens == -1 (non-finite hidden states) carry the full stock row instead of a draw.
+
+        ``noise``: the Gumbel noise [N, V] to draw with (default: fresh, from ``generator``). With given noise the
+        draw is the deterministic argmax of stock's final values plus that noise (Gumbel-coupled verification,
+        docs/speculative.md); the result's ``est`` then holds the provider's estimate for every token.
         """
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
@@ -525,8 +538,10 @@ class CertifiedHead:
                 raise ValueError(f"unknown warp {kind!r}; use 'temperature' or 'top_k'")
         if sum(kind == "top_k" for kind, _ in warps) > 1:
             raise ValueError("at most one top_k warp is supported")
+        if noise is not None and (noise.dim() != 2 or noise.shape[1] != self.vocab_size):
+            raise ValueError(f"noise must be [N, {self.vocab_size}], got {tuple(noise.shape)}")
         return self._run_nonfinite(H, self._sample, warps=warps, generator=generator, out_dtype=out_dtype,
-                                   post=post)
+                                   post=post, noise=noise)
 
     def _law(self, x: torch.Tensor, d: torch.dtype, post, warps, stop_at_topk: bool = False,
              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -549,7 +564,7 @@ class CertifiedHead:
                 y = y.masked_fill(y < kth, float("-inf"))
         return y
 
-    def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None) -> CertResult:
+    def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None, noise=None) -> CertResult:
         d = out_dtype or torch.float32
         N, V = Hf.shape[0], self.vocab_size
         ks = [int(v) for kind, v in warps if kind == "top_k" and int(v) < V]
@@ -569,11 +584,15 @@ class CertifiedHead:
                 res.stats.certified -= len(idx)
                 res.stats.fallback += len(idx)
             law = self._law(res.logits, d, post, warps, mask=S)
-            res.tokens = (law + gumbel_noise(law.shape, Hf.device, generator)).argmax(1)
+            g = noise if noise is not None else gumbel_noise(law.shape, Hf.device, generator)
+            res.tokens = (law + g).argmax(1)
+            if noise is not None:
+                r = torch.arange(N, device=Hf.device)
+                res.conf = torch.softmax(law, 1)[r, res.tokens]
             return res
         stats = CertStats(vocab_size=V)
         est, U = self.provider(Hf)
-        g = gumbel_noise(U.shape, Hf.device, generator)
+        g = noise if noise is not None else gumbel_noise(U.shape, Hf.device, generator)
         heur = est
         for kind, v in warps:
             heur = heur / v
@@ -588,8 +607,12 @@ class CertifiedHead:
         law = self._law(logits, d, post, warps, mask=S)
         tokens = (law + g).argmax(1)
         cut = t.masked_fill(info.complete, float("-inf"))
+        conf = None
+        if noise is not None:
+            est_law = torch.where(S, law, heur)
+            conf = (law[rows, tokens] - torch.logsumexp(est_law, 1)).exp()
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,
-                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut)
+                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut, conf=conf)
 
 
 @dataclass

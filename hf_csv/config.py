@@ -21,7 +21,7 @@ DEFAULT_BUDGET = 0.125
 
 MODES = ("auto", "topk", "sample", "epsilon")
 PROVIDERS = ("screen", "cluster")
-SPECULATIVE = ("exact", "stock", "sigmoid")
+SPECULATIVE = ("exact", "gumbel", "stock", "sigmoid")
 DRAFT_HEADS = ("subvocab", "full")
 VOCAB_PARALLEL = ("contiguous", "round_robin", "size_balanced")  # = hf_csv.distributed.STRATEGIES
 
@@ -57,6 +57,10 @@ class CSVConfig:
         num_outliers: exact fp32 columns of h in the screen ("massive activations").
         speculative: verify step of assisted sampling (``assistant_model=``): ``"exact"`` (default,
             hf_csv's exact and faster replacement of transformers' ``_speculative_sampling``),
+            ``"gumbel"`` (opt-in, exact: Gumbel-coupled verification — the draft and the target draw with the
+            same Gumbel noise per token index and a draft is accepted iff the target's draw equals it; the target's
+            law, and for a given seed the tokens do not depend on the assistant, but they are not stock's token
+            stream; no normalizer is needed, so flat rows at T = 1 stay certified; docs/speculative.md),
             ``"stock"``, or ``"sigmoid"`` — the seed paper's approximation, **lossy** (it accepts
             nearly every draft token; measured quality in docs/speculative.md); it warns.
         draft_head: head of the *assistant* model in assisted generation: ``"subvocab"`` (default;

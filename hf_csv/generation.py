@@ -66,6 +66,11 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
         sess.extra["_user_assistant_settings"] = user_assistant_settings(kwargs)
     # the target may leave uncomputed tokens -inf only where hf_csv's exact verify reads its bounds
     sess.spec_ok = kwargs.get("assistant_model") is not None and config.speculative == "exact"
+    if kwargs.get("assistant_model") is not None and config.speculative == "gumbel":
+        from hf_csv_kernels.verify import KeyedGumbel
+
+        # one seed per call from torch's global generator: torch.manual_seed(s) reproduces the call's tokens
+        sess.gumbel = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))
     # Whisper's thresholds and timestamps, set as kwargs, on a passed config or on the model's own
     # (decide_mode checks the final config again for each segment's generate)
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
@@ -91,6 +96,10 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
         return contextlib.nullcontext()
     from .verify import patch_speculative_sampling
 
+    if config.speculative == "gumbel" and sess.gumbel is None:  # prompt lookup: no assistant to couple with
+        sess.note("CSVConfig(speculative='gumbel') couples an assistant model's drafts; this call has none: "
+                  "hf_csv's exact verify")
+        return patch_speculative_sampling(mode="exact", session=sess)
     return patch_speculative_sampling(mode=config.speculative, session=sess)
 
 

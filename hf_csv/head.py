@@ -151,6 +151,9 @@ class CSVSession:
     beam_step: Any = None  # beam_exact mode: this step's processed log-prob intervals (hf_csv.beam.BeamStep)
     beam_state: Any = None  # ... and the intervals of stock's beam bookkeeping (hf_csv.beam)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
+    # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the call's noise per token index
+    # (hf_csv_kernels.verify.KeyedGumbel), shared by the target's session and its draft sessions
+    gumbel: Any = None
     extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
 
     def note(self, reason: str, what: str = "") -> None:
@@ -365,6 +368,14 @@ class CSVHead(nn.Module):
             # no drafts this round (hf_csv.candidate): stock samples from this row itself, so it must be complete
             sess.spec_full_next = False
             return self._full(sess, hidden)
+        keys = None
+        if sess.mode == "sample" and sess.gumbel is not None:
+            # Gumbel-coupled draws: the noise of each row is that of the token index it predicts
+            keys = _token_keys(sess, hidden)
+            if keys is None:
+                sess.note("Gumbel-coupled draw with unknown token indices (inputs_embeds or batch > 1): full head "
+                          "for those steps (the draw then happens on the full row, with the same noise)")
+                return self._full(sess, hidden)
         lead, d = hidden.shape[:-1], hidden.shape[-1]
         H = hidden.reshape(-1, d)
         ch = sess.head
@@ -428,7 +439,11 @@ class CSVHead(nn.Module):
             out = res.logits
         elif mode == "sample":
             post = None if sess.post is None or sess.post.identity else sess.post.apply
-            res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps)
+            kw = {} if keys is None else {"noise": sess.gumbel.rows(keys, ch.vocab_size, H.device)}
+            res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps, **kw)
+            if keys is not None and res.conf is not None and sess.draft:
+                # the assistant's confidence stop reads the drawn token's probability (hf_csv.candidate)
+                sess.extra["_draft_conf"] = dict(zip(keys, res.conf.tolist()))
             # draw_after: exact logits on S; the CSVLogitsProcessor draws after the lowering processors
             out = res.logits if sess.draw_after else _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
         else:  # pragma: no cover - decide_mode only sets the modes above
@@ -451,6 +466,16 @@ class CSVHead(nn.Module):
         if gkey is not None:
             _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
         return out
+
+
+def _token_keys(sess: CSVSession, hidden: torch.Tensor) -> Optional[list]:
+    """The token index each row of a head call predicts (see :meth:`StepStash.position`): batch size 1 only (as
+    assisted decoding), None when unknown."""
+    P = hidden.shape[1] if hidden.dim() == 3 else 1
+    B = hidden.shape[0] if hidden.dim() >= 2 else 1
+    if B != 1 or sess.fed_total is None:
+        return None
+    return [sess.fed_total - (P - 1 - p) for p in range(P)]
 
 
 def guard_key(sess: CSVSession, rows: int) -> tuple:

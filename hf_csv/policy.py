@@ -249,9 +249,14 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         session.set_full("assistant_ensemble_weight mixes the target's and the draft's softmax over the full "
                          "vocabulary")
         return session
-    if session.draft:
+    # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the target and its drafts each draw
+    # argmax(stock's processed row + the token index's noise); the plans of plain sampling give exactly that (their
+    # rows are stock's processed rows, or the certified draw itself with the keyed noise), and the verify compares
+    # (docs/speculative.md)
+    coupled = do_sample and session.gumbel is not None
+    if session.draft and not coupled:
         return _decide_draft(session, gc, kinds, do_sample, top_k, processors)
-    if session.assisted and do_sample:
+    if session.assisted and do_sample and not coupled:
         return _assisted_sampling_plan(session, processors, kinds, num_beams, top_k)
     if not do_sample and num_beams == 1:
         if norm:

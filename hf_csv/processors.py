@@ -36,7 +36,7 @@ from .errors import CSVError
 from .head import CSVSession, flush_guard
 from .policy import classify_processor
 
-__all__ = ["CSVLogitsProcessor"]
+__all__ = ["CSVLogitsProcessor", "GumbelCoupledDraw"]
 
 # id(processor) -> session, per context: a processor instance reused by concurrent calls (threads)
 # sees the session of its own call
@@ -578,3 +578,40 @@ def _min_p_unsure(x: torch.Tensor, ob: torch.Tensor, min_p: float) -> torch.Tens
     dist = (x - m[:, None] - lm).abs()
     near = fin & ~(dist > _MIN_P_SLACK * (1 + (x - m[:, None]).abs()))
     return ~out_ok | near.any(1) | ~torch.isfinite(m)
+
+
+class GumbelCoupledDraw(LogitsProcessor):
+    """Last processor of an assistant's ``generate`` in Gumbel-coupled assisted sampling
+    (``CSVConfig(speculative="gumbel")``, docs/speculative.md): the draft token at index t is
+    argmax(processed draft scores + g_t), with the noise g_t that the target's verify of index t uses. Returns a
+    one-hot row (the winner keeps its score) so that stock's sampler can only draw it.
+
+    The draft's token may come from any rule: the emitted tokens are the target's draws whatever the draft
+    proposes (only the acceptance rate depends on it). Records the drawn token's probability for the assistant's
+    confidence stop (:class:`hf_csv.candidate.DraftConfidenceStop`): exact from the row when the row has more than
+    one finite score, else the certified head's estimate for the same draw (mode ``"sample"``). Batch size 1.
+    """
+
+    csv_kind = "csv"
+
+    def __init__(self, session: CSVSession) -> None:
+        self.session = session
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        sess = self.session
+        if scores.shape[0] != 1:
+            raise CSVError("hf_csv: Gumbel-coupled drafting supports batch size 1 only (as assisted decoding)")
+        key = int(input_ids.shape[1])
+        x = scores.float()
+        g = sess.gumbel.row(key, x.shape[1], x.device)
+        tok = int((x[0] + g).argmax())
+        finite = int(torch.isfinite(x[0]).sum())
+        if finite > 1:
+            conf = float(torch.softmax(x[0], 0)[tok])
+        else:
+            conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
+        sess.extra["_draft_conf_last"] = conf
+        out = torch.full_like(scores, float("-inf"))
+        out[0, tok] = scores[0, tok]
+        return out

@@ -31,7 +31,7 @@ from .head import (CSVSession, active_session, find_head, get_certified_head, gu
                    set_static_plan, swapped_head)
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
-from .processors import CSVLogitsProcessor, FullHeadDuring
+from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw
 
 __all__ = ["instance_override", "certified", "new_session"]
 
@@ -159,6 +159,8 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
                 at = next((i for i, p in enumerate(others) if p is sess.check_replaces), at)
                 skip = int(at < len(others) and others[at] is sess.check_replaces)
             others = others[:at] + [verifier] + others[at + skip:]
+        if sess.draft and sess.gumbel is not None and getattr(gc, "do_sample", False):
+            others = others + [GumbelCoupledDraw(sess)]  # the coupled draw, after everything (hf_csv.candidate)
         procs[:] = others
         sess.processors = procs
         return procs

@@ -33,7 +33,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from hf_csv_kernels.verify import LossyVerifyWarning, VerifyResult, bounded_verify, exact_verify, sigmoid_verify
+from hf_csv_kernels.verify import (LossyVerifyWarning, VerifyResult, bounded_verify, exact_verify,
+                                   gumbel_coupled_verify, sigmoid_verify)
 
 from ._compat import speculative_gen_utils
 from .errors import CSVError
@@ -47,7 +48,7 @@ __all__ = [
     "LossyVerifyWarning",
 ]
 
-Mode = Literal["exact", "sigmoid"]
+Mode = Literal["exact", "gumbel", "sigmoid"]
 
 def check_transformers_version() -> Any:
     """``transformers.generation.utils`` after checking the version and the stock signature
@@ -188,6 +189,26 @@ def speculative_sampling_certified(
     return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
 
 
+def speculative_sampling_gumbel(
+    noise: Any,
+    candidate_input_ids: torch.Tensor,
+    candidate_length: int,
+    new_logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-coupled verification (docs/speculative.md) in stock's calling convention: the target's token at
+    index t is argmax(new_logits row + ``noise`` of index t) (:class:`hf_csv_kernels.verify.KeyedGumbel`); drafts
+    are accepted while they equal it. Exact for any draft; the draft's logits are not read. Batch size 1."""
+    L = int(candidate_length)
+    if candidate_input_ids.shape[0] != 1 or new_logits.shape[0] != 1 or new_logits.shape[1] != L + 1:
+        raise ValueError("Gumbel-coupled verification: batch size 1 and L + 1 target rows")
+    cur = candidate_input_ids.shape[1] - L
+    rows = new_logits[0]
+    g = noise.rows(range(cur, cur + L + 1), rows.shape[1], rows.device)
+    res = gumbel_coupled_verify(candidate_input_ids[0, cur:], rows, g)
+    valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
+    return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
+
+
 _IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "exact": speculative_sampling_exact,
     "sigmoid": speculative_sampling_sigmoid,
@@ -262,7 +283,16 @@ def _dispatch(
     extra = args[0] if args else kwargs.get(extra_name)
     weight = extra if extra_name == "assistant_ensemble_weight" else None
     sess = h.session
-    if h.mode == "exact" and sess is not None and sess.mode == "spec" and weight is None:
+    if h.mode == "gumbel":
+        if sess is None or sess.gumbel is None:
+            raise CSVError("hf_csv: the Gumbel-coupled verify needs the call's keyed noise (use "
+                           "generate(..., csv_config=CSVConfig(speculative='gumbel')))")
+        if weight is not None:
+            raise CSVError("hf_csv: assistant_ensemble_weight (a mixture of the two models' softmax) cannot be "
+                           "combined with CSVConfig(speculative='gumbel')")
+        valid, n = speculative_sampling_gumbel(sess.gumbel, candidate_input_ids, candidate_length, new_logits)
+        h.certified_calls += 1
+    elif h.mode == "exact" and sess is not None and sess.mode == "spec" and weight is None:
         valid, n = speculative_sampling_certified(sess, candidate_input_ids, candidate_logits, candidate_length,
                                                   new_logits, generator=h.generator, counts=h.counts)
         h.certified_calls += 1
@@ -299,8 +329,11 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
 
     def __init__(self, mode: Mode = "exact", *, generator: torch.Generator | None = None,
                  session: Any = None) -> None:
-        if mode not in _IMPLS:
-            raise ValueError(f"mode must be one of {sorted(_IMPLS)}, got {mode!r}")
+        if mode not in _IMPLS and mode != "gumbel":
+            raise ValueError(f"mode must be one of {sorted([*_IMPLS, 'gumbel'])}, got {mode!r}")
+        if mode == "gumbel" and getattr(session, "gumbel", None) is None:
+            raise ValueError("mode 'gumbel' needs a certified session with keyed noise: use "
+                             "generate(..., assistant_model=..., csv_config=CSVConfig(speculative='gumbel'))")
         self.handle = SpeculativePatch(mode=mode, generator=generator, session=session)
 
     def __enter__(self) -> SpeculativePatch:

@@ -39,6 +39,8 @@ __all__ = [
     "exact_verify",
     "bounded_verify",
     "gumbel_noise",
+    "KeyedGumbel",
+    "gumbel_coupled_verify",
     "sigmoid_verify",
     "sigmoid_probs",
     "sigmoid_first_token_distribution",
@@ -284,6 +286,80 @@ def gumbel_noise(shape, device: torch.device, generator: torch.Generator | None)
     token. Shared by the certified head's lazy Gumbel draw and the bounded verify."""
     u = torch.rand(shape, device=device, generator=generator)
     return u.clamp_(min=torch.finfo(torch.float32).tiny, max=1 - 2 ** -24).log_().neg_().log_().neg_()
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function: a bijective 64-bit mixer (distinct keys give unrelated generator seeds)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class KeyedGumbel:
+    """Gumbel noise that is a fixed function of (seed, key): the noise g_t of token index t, shared by every
+    party that draws the token at index t — the draft, the target's head, the verify (Gumbel-coupled
+    verification, docs/speculative.md).
+
+    ``rows(keys, V)`` returns [len(keys), V] i.i.d. standard Gumbel variates (:func:`gumbel_noise` from a CPU
+    ``torch.Generator`` seeded with a SplitMix64 mix of (seed, key)); the same key always gives the same row, and
+    different keys give rows from unrelated generator seeds (treated as independent, as any PRNG stream is).
+    The last ``cache`` rows are kept, so the draft's row for index t is reused by the target's verify of t.
+    Per call: one instance belongs to one ``generate`` call (its seed is drawn from torch's global generator).
+    """
+
+    def __init__(self, seed: int, cache: int = 48) -> None:
+        self.seed = int(seed) & _M64
+        self.cache = int(cache)
+        self._rows: dict = {}
+        self.generated = 0
+
+    def row(self, key: int, V: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The noise row [V] (fp32) of token index ``key``."""
+        k = (int(key), int(V))
+        got = self._rows.pop(k, None)
+        if got is None:
+            gen = torch.Generator().manual_seed(_splitmix64(self.seed ^ _splitmix64(int(key) & _M64)) >> 1)
+            got = gumbel_noise((int(V),), torch.device("cpu"), gen)
+            self.generated += 1
+        self._rows[k] = got  # most recent last
+        while len(self._rows) > self.cache:
+            self._rows.pop(next(iter(self._rows)))
+        return got.to(device)
+
+    def rows(self, keys, V: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[len(keys), V] noise rows of the token indices ``keys``."""
+        return torch.stack([self.row(k, V, device) for k in keys])
+
+
+def gumbel_coupled_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor, noise: torch.Tensor) -> VerifyResult:
+    """Gumbel-coupled verification (docs/speculative.md): the target's token at verified position j is
+    y_j = argmax_i target_logits[j, i] + noise[j, i]; drafts are accepted while x_j == y_j, and the first y_j that
+    differs (or y_L after L accepted drafts) is emitted.
+
+    Law: whatever the draft did, the emitted token at each position is the Gumbel-max draw from
+    softmax(target_logits[j]) with that position's noise, so the output has the target's law when the noise of a
+    token index is independent of everything that decided the tokens before it (:class:`KeyedGumbel`). A row that
+    is one-hot (one finite entry, as hf_csv's certified draw returns it) yields its finite entry. Ties in the
+    argmax go to the lowest index (measure zero). Shapes: draft_ids [L], target_logits and noise [L + 1, V].
+    """
+    L = int(draft_ids.shape[0])
+    if target_logits.dim() != 2 or target_logits.shape[0] != L + 1 or noise.shape != target_logits.shape:
+        raise ValueError(f"target_logits and noise must be [L + 1, V] with L = {L}; got "
+                         f"{tuple(target_logits.shape)} and {tuple(noise.shape)}")
+    ids = draft_ids.tolist()
+    for j in range(L + 1):
+        row = target_logits[j].float()
+        y = int((row + noise[j].to(row.device)).argmax())
+        if not bool(torch.isfinite(row[y])):
+            raise ValueError(f"verified row {j} has no finite logit: nothing to sample")
+        if j == L or y != ids[j]:
+            toks = torch.tensor(ids[:j] + [y], dtype=torch.long, device=draft_ids.device)
+            return VerifyResult(j, toks)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _logaddexp(a: float, b: float) -> float:

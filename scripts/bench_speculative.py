@@ -393,6 +393,52 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
 
 
 @torch.no_grad()
+def _gumbel_reference(tok, tm, dm, prompt: str, gen_kw: dict, cfg, seed: int, n: int = 24) -> dict:
+    """Gumbel-coupled verification (CSVConfig(speculative="gumbel")) emits at token index t the Gumbel-max draw
+    argmax(stock's processed row + g_t) with the call's keyed noise g. The reference: *stock* plain sampling (no
+    assistant, no csv) with a last processor that makes that same draw on stock's full processed rows. Token-for-token
+    equality with the certified assisted call checks the certificate and the coupling end to end (the law is then
+    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_gumbel_coupled.py)."""
+    from transformers import LogitsProcessor
+
+    from hf_csv_kernels.verify import KeyedGumbel
+
+    class _Draw(LogitsProcessor):
+        def __init__(self, kg):
+            self.kg = kg
+
+        def __call__(self, ids, scores):
+            y = int((scores[0].float() + self.kg.row(ids.shape[1], scores.shape[1])).argmax())
+            out = torch.full_like(scores, float("-inf"))
+            out[0, y] = scores[0, y]
+            return out
+
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    x = dict(tok(prompt, return_tensors="pt"))
+    kw = dict(gen_kw, max_new_tokens=n)
+    torch.manual_seed(seed)
+    ours = tm.generate(**x, assistant_model=dm, csv_config=cfg, return_dict_in_generate=True, **kw)
+    torch.manual_seed(seed)
+    kg = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))  # the draw generate makes first, reproduced
+    # generate puts custom processors before its warpers: pass the warpers ourselves, in generate's order, then the draw
+    warpers = []
+    if kw.get("temperature", 1.0) != 1.0:
+        warpers.append(TemperatureLogitsWarper(kw["temperature"]))
+    if kw.get("top_k"):
+        warpers.append(TopKLogitsWarper(kw["top_k"]))
+    if kw.get("top_p", 1.0) < 1.0:
+        warpers.append(TopPLogitsWarper(kw["top_p"]))
+    ref_kw = dict(kw, temperature=1.0, top_k=0, top_p=1.0)
+    ref = tm.generate(**x, logits_processor=[*warpers, _Draw(kg)], **ref_kw)
+    same = bool(torch.equal(ours.sequences, ref))
+    return {"kind": "gumbel (reference: stock plain sampling with the same keyed Gumbel-max draw)",
+            "tokens": int(ref.shape[1] - x["input_ids"].shape[1]), "reference_identical": same,
+            "identical_law": same, "target_mode": ours.csv_stats["mode"],
+            "draft_mode": (ours.csv_stats.get("draft") or {}).get("mode")}
+
+
+@torch.no_grad()
 def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
     """Assisted sampling, stock vs hf_csv (certified target head + sub-vocabulary draft + exact verify), per
     setting of :data:`SAMPLING_SETTINGS`; calls interleaved, the same seed per prompt and run. With a top-k warper
@@ -402,8 +448,9 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.e2e_prompts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    cfg = CSVConfig()
-    res: dict[str, Any] = {}
+    speculative = getattr(args, "speculative", "exact")
+    cfg = CSVConfig(speculative=speculative)
+    res: dict[str, Any] = {"speculative": speculative}
     settings = getattr(args, "settings", None)
     for name, kw in SAMPLING_SETTINGS.items():
         if settings is not None and name not in settings:
@@ -412,11 +459,14 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
         warm = tok(prompts[0], return_tensors="pt")
         tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=16))
         tm.generate(**warm, assistant_model=dm, **dict(gen_kw, max_new_tokens=16))
-        law, uninstall = _law_probe(args.law_draws, args.seed)
-        try:
-            tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=8))
-        finally:
-            uninstall()
+        if speculative == "gumbel":
+            law = _gumbel_reference(tok, tm, dm, prompts[0], gen_kw, cfg, args.seed)
+        else:
+            law, uninstall = _law_probe(args.law_draws, args.seed)
+            try:
+                tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=8))
+            finally:
+                uninstall()
         tps = {"stock": [], "csv": []}
         counter = _StockCounter()
         spec_tot: dict = {}
@@ -563,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", nargs="+", choices=sorted(SAMPLING_SETTINGS), default=None,
                     help="part 2 sampling: run only these settings (default: all)")
     ap.add_argument("--law-draws", type=int, default=20000, help="part 2: draws per law test")
+    ap.add_argument("--speculative", choices=("exact", "gumbel"), default="exact",
+                    help="part 2 sampling: hf_csv's verify (CSVConfig(speculative=...)); 'gumbel' is compared with "
+                         "stock assisted sampling for speed and with a stock Gumbel-max reference for its tokens")
     args = ap.parse_args(argv)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     if args.threads:
