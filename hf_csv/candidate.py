@@ -36,7 +36,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .head import CSVSession, active_session, find_head
-from .processors import CSVLogitsProcessor
+from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .scope import certified, instance_override, new_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings",
@@ -175,13 +175,16 @@ def _coupled_confidence(gen: Any, sess: CSVSession):
 def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
     """When the generator returns no draft logits (its last call, once no new token fits: stock then samples
     from the target's row itself), the target's next head call must be complete: mode "spec" rows are -inf off
-    S and only hf_csv's verify may read them. Wraps this instance's ``get_candidates`` (outermost)."""
+    S and only hf_csv's verify may read them. In Gumbel-coupled sampling that row must be the keyed draw.
+    Wraps this instance's ``get_candidates`` (outermost)."""
     inner: Callable = gen.get_candidates
 
     def get_candidates(*args: Any, **kwargs: Any):
         ids, logits = inner(*args, **kwargs)
         if logits is None and sess.mode == "spec":
             sess.spec_full_next = True
+        if logits is None and sess.gumbel is not None:
+            sess.extra["_gumbel_no_drafts"] = True  # stock samples from the target's row: the keyed draw makes it
         return ids, logits
 
     gen.get_candidates = get_candidates
@@ -196,11 +199,12 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
         if sess is None or sess.draft:
             return gen
         procs = getattr(gen, "logits_processor", None)
-        if procs is not None and any(isinstance(p, CSVLogitsProcessor) for p in procs):
+        if procs is not None and any(isinstance(p, (CSVLogitsProcessor, GumbelCoupledDraw)) for p in procs):
             # the generator hands the target's processors to the assistant's generate: the target's check (bound to
             # the target's session and stash) must not run on the draft's scores; a certified draft session adds
             # its own, a stock draft head needs none
-            gen.logits_processor = type(procs)([p for p in procs if not isinstance(p, CSVLogitsProcessor)])
+            gen.logits_processor = type(procs)([p for p in procs
+                                                if not isinstance(p, (CSVLogitsProcessor, GumbelCoupledDraw))])
         if type(gen) is not AssistedCandidateGenerator:
             sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
             if sess.mode == "spec":  # its candidates may come without the draft logits the certified verify needs

@@ -97,9 +97,7 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
     from .verify import patch_speculative_sampling
 
     if config.speculative == "gumbel" and sess.gumbel is None:  # prompt lookup: no assistant to couple with
-        sess.note("CSVConfig(speculative='gumbel') couples an assistant model's drafts; this call has none: "
-                  "hf_csv's exact verify")
-        return patch_speculative_sampling(mode="exact", session=sess)
+        return patch_speculative_sampling(mode="exact", session=sess)  # (the reason: hf_csv.policy)
     return patch_speculative_sampling(mode=config.speculative, session=sess)
 
 

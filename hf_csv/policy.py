@@ -189,6 +189,9 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     gc = generation_config
     cfg = session.config
     session.reasons.clear()
+    if session.assisted and session.gumbel is None and cfg.speculative == "gumbel":
+        session.note("CSVConfig(speculative='gumbel') couples an assistant model's drafts; this call has none "
+                     "(prompt lookup): hf_csv's exact verify")
     session.verify = False
     session.k_head = 0
     session.check_after = None

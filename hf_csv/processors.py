@@ -581,10 +581,12 @@ def _min_p_unsure(x: torch.Tensor, ob: torch.Tensor, min_p: float) -> torch.Tens
 
 
 class GumbelCoupledDraw(LogitsProcessor):
-    """Last processor of an assistant's ``generate`` in Gumbel-coupled assisted sampling
-    (``CSVConfig(speculative="gumbel")``, docs/speculative.md): the draft token at index t is
-    argmax(processed draft scores + g_t), with the noise g_t that the target's verify of index t uses. Returns a
-    one-hot row (the winner keeps its score) so that stock's sampler can only draw it.
+    """Last processor of both models' lists in Gumbel-coupled assisted sampling (``CSVConfig(speculative="gumbel")``,
+    docs/speculative.md): the token at index t is argmax(processed scores + g_t), with the call's noise g_t of index
+    t. Returns a one-hot row (the winner keeps its score) so that stock's sampler and the verify can only take it.
+    On the draft it makes the proposal; on the target it turns each verified row into its keyed draw (a no-op on
+    a row the certified head already drew, mode ``"sample"``), also the row stock samples from itself in a round
+    without drafts.
 
     The draft's token may come from any rule: the emitted tokens are the target's draws whatever the draft
     proposes (only the acceptance rate depends on it). Records the drawn token's probability for the assistant's
@@ -594,12 +596,18 @@ class GumbelCoupledDraw(LogitsProcessor):
 
     csv_kind = "csv"
 
-    def __init__(self, session: CSVSession) -> None:
+    def __init__(self, session: CSVSession, always: bool = True) -> None:
         self.session = session
+        # False: the target keeps its processed rows (output_scores) and this draws only in a round without drafts,
+        # where stock samples from the row itself (hf_csv.candidate sets the flag)
+        self.always = always
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
+        if not self.always:
+            if not sess.extra.pop("_gumbel_no_drafts", False):
+                return scores
         if scores.shape[0] != 1:
             raise CSVError("hf_csv: Gumbel-coupled drafting supports batch size 1 only (as assisted decoding)")
         key = int(input_ids.shape[1])

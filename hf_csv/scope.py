@@ -136,6 +136,8 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         # to the target's session: a draft session never takes it over, it gets its own
         mine = [] if sess.draft else [p for p in procs if isinstance(p, CSVLogitsProcessor)]
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
+        if sess.draft and sess.gumbel is not None and getattr(gc, "do_sample", False):
+            others = _once_each_warper(others)
         decide_mode(sess, gc, others)
         if sess.mode != "full":
             # Whisper's no-speech detection reads stock's logits (its own forward on the stock head, or stock's row)
@@ -159,13 +161,38 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
                 at = next((i for i, p in enumerate(others) if p is sess.check_replaces), at)
                 skip = int(at < len(others) and others[at] is sess.check_replaces)
             others = others[:at] + [verifier] + others[at + skip:]
-        if sess.draft and sess.gumbel is not None and getattr(gc, "do_sample", False):
-            others = others + [GumbelCoupledDraw(sess)]  # the coupled draw, after everything (hf_csv.candidate)
+        scores_out = getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False)
+        if sess.gumbel is not None and getattr(gc, "do_sample", False):
+            # the coupled draw, after everything: the draft's proposal, and the target's row as the one-hot keyed draw
+            # (also the row stock samples from itself when a round has no drafts). With output_scores the target keeps
+            # its processed rows (returned as scores; the verify draws from them with the same noise) except in a
+            # round without drafts
+            others = others + [GumbelCoupledDraw(sess, always=sess.draft or not scores_out)]
         procs[:] = others
         sess.processors = procs
         return procs
 
     return _get_logits_processor
+
+
+_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+            "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper"}
+
+
+def _once_each_warper(procs: list) -> list:
+    """A Gumbel-coupled draft's list with each warper type once (the first: the target's). transformers hands the
+    assistant the target's list and then appends the assistant's own warpers, copies of the same settings, so stock's
+    draft applies temperature twice (T²) and top-p twice. Any draft rule keeps the coupled verify exact; the closer
+    the draft's law is to the target's, the more of its drafts the target's draws accept."""
+    seen, out = set(), []
+    for p in procs:
+        name = type(p).__name__
+        if name in _WARPERS:
+            if name in seen:
+                continue
+            seen.add(name)
+        out.append(p)
+    return out
 
 
 def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
