@@ -209,6 +209,50 @@ def speculative_sampling_gumbel(
     return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
 
 
+@torch.no_grad()
+def gumbel_reference(model: Any, seed: int, **generate_kwargs: Any) -> torch.Tensor:
+    """What ``generate(..., assistant_model=A, csv_config=CSVConfig(speculative="gumbel"))`` returns after
+    ``torch.manual_seed(seed)``, computed by *stock* transformers alone: plain sampling, no assistant, no hf_csv,
+    with a last processor that makes the call's keyed draw argmax(processed row + g_t) on stock's full rows.
+    For tests and benchmarks of the Gumbel-coupled path (docs/speculative.md); batch size 1.
+
+    transformers puts custom processors before its own warpers, so the warpers are passed explicitly in
+    generate's order (temperature, top-k, top-p, min-p); other warpers raise ``ValueError``.
+    """
+    from transformers import (LogitsProcessor, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    from hf_csv_kernels.verify import KeyedGumbel
+
+    kw = dict(generate_kwargs)
+    for key in ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
+        if kw.get(key) not in (None, 0, 0.0, 1.0):
+            raise ValueError(f"gumbel_reference: {key} is not supported")
+
+    class _KeyedDraw(LogitsProcessor):
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            y = int((scores[0].float() + kg.row(ids.shape[1], scores.shape[1], scores.device)).argmax())
+            out = torch.full_like(scores, float("-inf"))
+            out[0, y] = scores[0, y]
+            return out
+
+    torch.manual_seed(seed)
+    kg = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))  # the certified call's first draw (hf_csv.generation)
+    warpers: list = []
+    if kw.get("temperature") not in (None, 1.0):
+        warpers.append(TemperatureLogitsWarper(kw["temperature"]))
+    if kw.get("top_k"):
+        warpers.append(TopKLogitsWarper(kw["top_k"]))
+    if kw.get("top_p") not in (None, 1.0):
+        warpers.append(TopPLogitsWarper(kw["top_p"]))
+    if kw.get("min_p"):
+        warpers.append(MinPLogitsWarper(kw["min_p"]))
+    kw.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None, do_sample=True)
+    kw["logits_processor"] = [*kw.get("logits_processor", []), *warpers, _KeyedDraw()]
+    generate = type(model).generate  # the class's: an hf_csv-enabled instance's generate without csv_config is too
+    return generate(model, **kw)
+
+
 _IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "exact": speculative_sampling_exact,
     "sigmoid": speculative_sampling_sigmoid,

@@ -399,38 +399,13 @@ def _gumbel_reference(tok, tm, dm, prompt: str, gen_kw: dict, cfg, seed: int, n:
     assistant, no csv) with a last processor that makes that same draw on stock's full processed rows. Token-for-token
     equality with the certified assisted call checks the certificate and the coupling end to end (the law is then
     the target's: docs/speculative.md, and the seeded chi-square test in tests/test_gumbel_coupled.py)."""
-    from transformers import LogitsProcessor
-
-    from hf_csv_kernels.verify import KeyedGumbel
-
-    class _Draw(LogitsProcessor):
-        def __init__(self, kg):
-            self.kg = kg
-
-        def __call__(self, ids, scores):
-            y = int((scores[0].float() + self.kg.row(ids.shape[1], scores.shape[1])).argmax())
-            out = torch.full_like(scores, float("-inf"))
-            out[0, y] = scores[0, y]
-            return out
-
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from hf_csv.verify import gumbel_reference
 
     x = dict(tok(prompt, return_tensors="pt"))
     kw = dict(gen_kw, max_new_tokens=n)
     torch.manual_seed(seed)
     ours = tm.generate(**x, assistant_model=dm, csv_config=cfg, return_dict_in_generate=True, **kw)
-    torch.manual_seed(seed)
-    kg = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))  # the draw generate makes first, reproduced
-    # generate puts custom processors before its warpers: pass the warpers ourselves, in generate's order, then the draw
-    warpers = []
-    if kw.get("temperature", 1.0) != 1.0:
-        warpers.append(TemperatureLogitsWarper(kw["temperature"]))
-    if kw.get("top_k"):
-        warpers.append(TopKLogitsWarper(kw["top_k"]))
-    if kw.get("top_p", 1.0) < 1.0:
-        warpers.append(TopPLogitsWarper(kw["top_p"]))
-    ref_kw = dict(kw, temperature=1.0, top_k=0, top_p=1.0)
-    ref = tm.generate(**x, logits_processor=[*warpers, _Draw(kg)], **ref_kw)
+    ref = gumbel_reference(tm, seed, **x, **kw)
     same = bool(torch.equal(ours.sequences, ref))
     return {"kind": "gumbel (reference: stock plain sampling with the same keyed Gumbel-max draw)",
             "tokens": int(ref.shape[1] - x["input_ids"].shape[1]), "reference_identical": same,

@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_csv import CSVConfig
+from hf_csv.verify import gumbel_reference
 from hf_csv_kernels.verify import KeyedGumbel, gumbel_coupled_verify
 from test_assisted_sampling import ALPHA, _llama, _two_sample_p
 
@@ -43,33 +43,9 @@ def trio():
     return target, close, _llama(5, V=4096)
 
 
-class _KeyedDraw(LogitsProcessor):
-    """The reference draw: argmax(scores + g_t) on stock's full processed row, as a one-hot row."""
-
-    def __init__(self, kg: KeyedGumbel):
-        self.kg = kg
-
-    def __call__(self, ids, scores):
-        y = int((scores[0].float() + self.kg.row(ids.shape[1], scores.shape[1])).argmax())
-        out = torch.full_like(scores, float("-inf"))
-        out[0, y] = scores[0, y]
-        return out
-
-
 def _reference(model, seed: int, kw: dict) -> torch.Tensor:
-    """Stock plain sampling (hf_csv not involved) with the call's keyed draw last. generate puts custom processors
-    before its own warpers, so the warpers are passed explicitly, in generate's order."""
-    torch.manual_seed(seed)
-    kg = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))  # what the certified call draws first
-    warpers = []
-    if kw.get("temperature", 1.0) != 1.0:
-        warpers.append(TemperatureLogitsWarper(kw["temperature"]))
-    if kw.get("top_k"):
-        warpers.append(TopKLogitsWarper(kw["top_k"]))
-    if kw.get("top_p", 1.0) < 1.0:
-        warpers.append(TopPLogitsWarper(kw["top_p"]))
-    plain = dict(kw, temperature=1.0, top_k=0, top_p=1.0)
-    return type(model).generate(model, IDS, logits_processor=[*warpers, _KeyedDraw(kg)], do_sample=True, **plain)
+    """Stock plain sampling (hf_csv not involved) with the call's keyed draw last (hf_csv.verify.gumbel_reference)."""
+    return gumbel_reference(model, seed, input_ids=IDS, **kw)
 
 
 def test_keyed_gumbel_rows_are_a_function_of_seed_and_key():
