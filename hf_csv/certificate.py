@@ -93,7 +93,7 @@ class CertResult:
     cut: Optional[torch.Tensor] = None
     # spec only: [N, V] fp32, an upper bound on stock's fp32 logit of every token (used off S)
     upper: Optional[torch.Tensor] = None
-    # sample with given noise only: [N] the drawn token's probability, exact with a top-k warp, else with the
+    # sample(with_conf=True) only: [N] the drawn token's probability, exact with a top-k warp, else with the
     # normalizer estimated from the provider's estimate off S (a heuristic for an assistant's confidence stop)
     conf: Optional[torch.Tensor] = None
 
@@ -505,7 +505,7 @@ class CertifiedHead:
                generator: Optional[torch.Generator] = None, out_dtype: Optional[torch.dtype] = None,
                post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                warps: Optional[Sequence[tuple[str, float]]] = None,
-               noise: Optional[torch.Tensor] = None) -> CertResult:
+               noise: Optional[torch.Tensor] = None, with_conf: bool = False) -> CertResult:
         """One exact draw per row from stock's sampling law.
 
         Stock's law: the head's logits in ``out_dtype`` (bf16 for a bf16 model), then ``post`` (the
@@ -522,7 +522,7 @@ class CertifiedHead:
 
         ``noise``: the Gumbel noise [N, V] to draw with (default: fresh, from ``generator``). With given noise the
         draw is the deterministic argmax of stock's final values plus that noise (Gumbel-coupled verification,
-        docs/speculative.md); the result's ``est`` then holds the provider's estimate for every token.
+        docs/speculative.md). ``with_conf``: also the drawn token's (estimated) probability, ``CertResult.conf``.
         """
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
@@ -541,7 +541,7 @@ class CertifiedHead:
         if noise is not None and (noise.dim() != 2 or noise.shape[1] != self.vocab_size):
             raise ValueError(f"noise must be [N, {self.vocab_size}], got {tuple(noise.shape)}")
         return self._run_nonfinite(H, self._sample, warps=warps, generator=generator, out_dtype=out_dtype,
-                                   post=post, noise=noise)
+                                   post=post, noise=noise, with_conf=with_conf)
 
     def _law(self, x: torch.Tensor, d: torch.dtype, post, warps, stop_at_topk: bool = False,
              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -564,7 +564,8 @@ class CertifiedHead:
                 y = y.masked_fill(y < kth, float("-inf"))
         return y
 
-    def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None, noise=None) -> CertResult:
+    def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None, noise=None,
+                with_conf=False) -> CertResult:
         d = out_dtype or torch.float32
         N, V = Hf.shape[0], self.vocab_size
         ks = [int(v) for kind, v in warps if kind == "top_k" and int(v) < V]
@@ -586,7 +587,7 @@ class CertifiedHead:
             law = self._law(res.logits, d, post, warps, mask=S)
             g = noise if noise is not None else gumbel_noise(law.shape, Hf.device, generator)
             res.tokens = (law + g).argmax(1)
-            if noise is not None:
+            if with_conf:
                 r = torch.arange(N, device=Hf.device)
                 res.conf = torch.softmax(law, 1)[r, res.tokens]
             return res
@@ -608,7 +609,7 @@ class CertifiedHead:
         tokens = (law + g).argmax(1)
         cut = t.masked_fill(info.complete, float("-inf"))
         conf = None
-        if noise is not None:
+        if with_conf:
             est_law = torch.where(S, law, heur)
             conf = (law[rows, tokens] - torch.logsumexp(est_law, 1)).exp()
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,

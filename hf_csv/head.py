@@ -439,7 +439,9 @@ class CSVHead(nn.Module):
             out = res.logits
         elif mode == "sample":
             post = None if sess.post is None or sess.post.identity else sess.post.apply
-            kw = {} if keys is None else {"noise": sess.gumbel.rows(keys, ch.vocab_size, H.device)}
+            # (the drawn token's probability only for a draft: its confidence stop reads it)
+            kw = {} if keys is None else {"noise": sess.gumbel.rows(keys, ch.vocab_size, H.device),
+                                          "with_conf": sess.draft}
             res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps, **kw)
             if keys is not None and res.conf is not None and sess.draft:
                 # the assistant's confidence stop reads the drawn token's probability (hf_csv.candidate)

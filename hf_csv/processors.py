@@ -614,12 +614,12 @@ class GumbelCoupledDraw(LogitsProcessor):
         x = scores.float()
         g = sess.gumbel.row(key, x.shape[1], x.device)
         tok = int((x[0] + g).argmax())
-        finite = int(torch.isfinite(x[0]).sum())
-        if finite > 1:
-            conf = float(torch.softmax(x[0], 0)[tok])
-        else:
-            conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
-        sess.extra["_draft_conf_last"] = conf
+        if sess.draft:  # (the target's rows need no confidence)
+            if int(torch.isfinite(x[0]).sum()) > 1:
+                conf = float(torch.softmax(x[0], 0)[tok])
+            else:
+                conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
+            sess.extra["_draft_conf_last"] = conf
         out = torch.full_like(scores, float("-inf"))
         out[0, tok] = scores[0, tok]
         return out
