@@ -179,11 +179,7 @@ class CSVLogitsProcessor(LogitsProcessor):
             scores = full
         elif self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
-        out = torch.full_like(scores, float("-inf"))
-        r = torch.arange(scores.shape[0], device=scores.device)
-        # the winner's own score, finite (a row whose every score is -inf keeps stock's behaviour: all -inf)
-        out[r, tok] = scores[r, tok]
-        return out
+        return _winner_only(scores, tok)
 
     def _nucleus(self, input_ids, scores, sess, last, p):
         """Top-p without a top-k (docs/certificates.md §3.5), in the warper's place: stock's warper output where
@@ -620,6 +616,13 @@ class GumbelCoupledDraw(LogitsProcessor):
             else:
                 conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
             sess.extra["_draft_conf_last"] = conf
-        out = torch.full_like(scores, float("-inf"))
-        out[0, tok] = scores[0, tok]
-        return out
+        return _winner_only(scores, torch.tensor([tok], device=scores.device))
+
+
+def _winner_only(scores: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The row stock's sampler can only draw ``tok`` from: the winner keeps its own score, every other token -inf
+    (a row whose every score is -inf keeps stock's behaviour: all -inf)."""
+    out = torch.full_like(scores, float("-inf"))
+    r = torch.arange(scores.shape[0], device=scores.device)
+    out[r, tok] = scores[r, tok]
+    return out
