@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import native as _native
 from .quantize import Int8Rows, gamma, round_up_f32, unit_roundoff
 
 __all__ = ["ScreenState", "Outliers", "make_outliers", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
@@ -51,6 +52,11 @@ class ScreenState:
     outliers: Outliers
     # fbgemm packed weights (CPU fast path): a list of (first row, packed rows); see prepare_screen
     packed: Optional[list] = None
+    # hf_csv's own AVX2 kernel (hf_csv_kernels.native): (codes, interleaved?) — rows.q itself until the
+    # interleaved copy is built in the background, then that copy; None where the kernel is not used
+    native: Optional[tuple] = None
+    # with the native kernel, fbgemm is packed only once a call of more than one row asks for it
+    _pack_started: bool = False
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -172,9 +178,54 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
     return Outliers(outlier_cols, (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous())
 
 
+def _use_native(rows: Int8Rows) -> bool:
+    """The native kernel serves these rows: int8 codes on a CPU, a hidden size its int32 sums allow, no −128
+    code (the kernel's sign trick needs |q| <= 127: hf_csv's quantizer never makes −128, a file might)."""
+    q = rows.q
+    if q.dtype != torch.int8 or q.device.type != "cpu" or q.dim() != 2 or q.shape[1] > _native.MAX_D:
+        return False
+    if not _native.available():
+        return False
+    return q.is_contiguous() and _native.min_code(q) >= -127
+
+
+def _interleave(state: "ScreenState") -> None:
+    """Background: the 4-row interleaved copy of the codes (a little faster to stream), swapped in whole."""
+    try:
+        qi, mn = _native.interleave(state.rows.q)
+        if mn >= -127:
+            state.native = (qi, True)
+    except Exception:  # keep the row-major codes: correct, a little slower
+        pass
+
+
+def _start_pack(state: "ScreenState") -> None:
+    """With the native kernel: pack fbgemm's layout in the background, once, for calls of several rows."""
+    with _PACK_LOCK:
+        if state._pack_started or not fbgemm_available():
+            return
+        state._pack_started = True
+
+    def run() -> None:
+        if hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+        try:
+            state.packed = [(0, _pack(state.rows.q, state.rows.scale))]
+        except Exception:  # the native kernel keeps serving
+            pass
+
+    threading.Thread(target=run, name="hf_csv-screen-pack").start()
+
+
+_PACK_LOCK = threading.Lock()
+
+
 def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True,
                    consolidate: bool = True, background: bool = False,
-                   weight: Optional[torch.Tensor] = None) -> ScreenState:
+                   weight: Optional[torch.Tensor] = None, native: Optional[bool] = None) -> ScreenState:
     """Build the per-head screen state; pack the int8 rows for fbgemm when on CPU.
 
     ``weight``: the head weight the rows quantize. With it, the outlier columns are kept *exactly*
@@ -187,9 +238,23 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     ``background`` and a head of more than one chunk, the chunks are packed in a background thread
     too and ``state.ready`` is set when they are in place; :func:`screen_int8_cpu` waits for it, so
     callers that cannot wait check ``state.ready`` first (hf_csv uses the full head meanwhile).
+
+    ``native`` (default: wherever it is available, :mod:`hf_csv_kernels.native`): hf_csv's own AVX2 kernel
+    instead, ready at once (no prepack: it reads ``rows.q`` as it is, then a 4-row interleaved copy built in
+    the background); fbgemm is then packed in the background only once a call of more than one row comes,
+    since fbgemm's GEMM is the faster of the two there (docs/benchmarks.md §7). ``native=False`` keeps fbgemm
+    only.
     """
     V = rows.q.shape[0]
     state = ScreenState(rows=rows, outliers=make_outliers(rows, outlier_cols, weight))
+    if pack_cpu and native is not False and _use_native(rows):
+        # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
+        # background, and fbgemm's pack only when a call of several rows asks for it (see _native_screen)
+        state.native = (rows.q, False)
+        state.ready.set()
+        # not daemons (here and below): interpreter exit waits for them (a native call cannot be interrupted safely)
+        threading.Thread(target=_interleave, args=(state,), name="hf_csv-screen-interleave").start()
+        return state
     if pack_cpu and rows.q.dtype == torch.int8 and rows.q.device.type == "cpu" and fbgemm_available():
         if background and V > _PACK_ROWS:
             threading.Thread(target=_pack_chunks, args=(state, consolidate), name="hf_csv-screen-pack",
@@ -231,23 +296,35 @@ def screen_int8_reference(state: ScreenState, H: torch.Tensor, chunk_rows: int =
 
 @torch.no_grad()
 def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fbgemm dynamic-int8 GEMV with the outlier columns of h kept in fp32.
+    """The int8 GEMV over the rest columns (hf_csv's AVX2 kernel or fbgemm) with the outlier columns of h in fp32.
 
-    Per row r: h = h_J + h_rest. h_rest is scaled by 1/m_r (m_r = ||h_rest||_∞) so that
-    fbgemm's per-tensor activation quantization has the same relative step for every
-    row of the batch, and quantized with step s_X <= 2/127; each coordinate errs by at
-    most s_X/2, so |<Ŵ_i, h_rest − ĥ_rest>| <= ||Ŵ_i||_1 · m_r · s_X/2. The int32
-    accumulation is exact; the remaining float steps (dequantization, rescale, the
-    fp32 outlier GEMV over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
+    Per row r: h = h_J + h_rest. h_rest is scaled by 1/m_r (m_r = ||h_rest||_∞), X = h_rest/m_r, and X is
+    quantized with a step s_X, each coordinate within s_X/2 of its level, so |<Ŵ_i, h_rest − ĥ_rest>| <=
+    ||Ŵ_i||_1 · m_r · s_X/2:
+
+    * native kernel (:mod:`hf_csv_kernels.native`, one row, or any rows until fbgemm is packed): hf_csv rounds
+      127·X to the nearest integer itself (signed 8 bits; |X| <= 1), s_X = 1/127, within (0.5 + 2·127u) levels;
+    * fbgemm: its per-tensor 7-bit quantization of X over the batch, s_X <= 2/127 (the same relative step for
+      every row of the batch).
+
+    The int32 accumulation is exact; the remaining float steps (dequantization, rescale, the fp32 outlier GEMV
+    over k columns, one add) are covered by (64u + γ_{k+2})·||Ŵ_i||_1·||h_r||_∞.
 
     Weight term: ||W_i − Ŵ_i||·||h_r|| with Ŵ's outlier columns; with exact ones (``state.err_rest``, see
     :func:`prepare_screen`) ||W_i − Ŵ_i||_rest·||h_rest|| instead, and the outlier GEMV and the add, now over
     W_J, are covered by an extra (γ_{k+2} + 4u)·||W_i||_1·||h_r||_∞ (docs/certificates.md §1.1, Lemma 1′).
     """
-    if not state.ready.is_set():  # packing in the background: wait (hf_csv's head checks first)
-        state.ready.wait()
-    if state.packed is None:  # fp8 rows, or a build without fbgemm: the weight-only reference
-        return screen_int8_reference(state, H)
+    lay = state.native  # read once: the background thread swaps in the interleaved copy
+    packs = state.packed  # read once: a background thread may swap in one whole pack
+    if lay is not None and H.shape[0] > 1 and packs is None:
+        _start_pack(state)  # several rows: fbgemm's GEMM is faster there, once packed (the kernel serves meanwhile)
+    use_native = lay is not None and (H.shape[0] == 1 or packs is None)
+    if not use_native:
+        if not state.ready.is_set():  # packing in the background: wait (hf_csv's head checks first)
+            state.ready.wait()
+            packs = state.packed
+        if packs is None:  # fp8 rows, or a build without fbgemm: the weight-only reference
+            return screen_int8_reference(state, H)
     rows = state.rows
     H = H.float()
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
@@ -258,19 +335,26 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     m = h_rest.abs().amax(dim=1, keepdim=True)
     m = torch.where(m > 0, m, torch.ones_like(m))
     X = h_rest / m
-    packs = state.packed  # read once: a background thread may swap in one whole pack
-    if len(packs) == 1:
-        est = torch.ops.quantized.linear_dynamic(X, packs[0][1], True)
-    else:  # every pack quantizes X alike (its range over the batch), so one step s_x serves all
-        est = torch.empty(H.shape[0], rows.q.shape[0], dtype=torch.float32, device=H.device)
-        for lo, pk in packs:
-            part = torch.ops.quantized.linear_dynamic(X, pk, True)
-            est[:, lo: lo + part.shape[1]] = part
-    est.mul_(m)
+    if use_native:
+        # |X| <= 1 (a correctly rounded quotient of |h_j| <= m), so |fl(127·X)| <= 127: signed 8 bits
+        A = X.mul(_native_levels).round_().to(torch.int8)
+        est = _native.screen_i8(lay[0], rows.scale, A, (m / _native_levels).view(-1).contiguous(), lay[1])
+        # fl(fl(h_j/m)·127) is within 2·127u of 127·h_j/m, so each level is within 0.5 + 2·127u of it; and
+        # est = fl(fl(fl(dot)·s_i)·fl(m/127)) is within 4u of s_i·(m/127)·dot, inside the 64u term below
+        s_x = 1.0 / _native_levels
+    else:
+        if len(packs) == 1:
+            est = torch.ops.quantized.linear_dynamic(X, packs[0][1], True)
+        else:  # every pack quantizes X alike (its range over the batch), so one step s_x serves all
+            est = torch.empty(H.shape[0], rows.q.shape[0], dtype=torch.float32, device=H.device)
+            for lo, pk in packs:
+                part = torch.ops.quantized.linear_dynamic(X, pk, True)
+                est[:, lo: lo + part.shape[1]] = part
+        est.mul_(m)
+        # the step fbgemm chooses: range of X over the whole batch, including 0, over 127 levels
+        s_x = (X.max().clamp(min=0) - X.min().clamp(max=0)) / _QRANGE
     if J.numel():
         est.addmm_(H[:, J], out.w.T)
-    # the step fbgemm chooses: range of X over the whole batch, including 0, over 127 levels
-    s_x = (X.max().clamp(min=0) - X.min().clamp(max=0)) / _QRANGE
     act = m * (0.5 * (1 + _ACT_SLACK)) * s_x  # [N, 1]
     u = unit_roundoff()
     hinf = H.abs().amax(dim=1, keepdim=True)
@@ -285,3 +369,6 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     rad = torch.mul(rows.err_l2, hn2).addcmul_(rows.l1, coef)
     return est, rad
 
+
+# the native kernel's activation levels: 127·X rounded, X in [−1, 1]
+_native_levels = 127.0

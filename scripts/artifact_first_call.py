@@ -2,9 +2,10 @@
 
     python scripts/artifact_first_call.py --model ~/.cache/hf-csv-models/gemma3-270m [--reps 3] [--threads 2]
 
-"Ready head" = ``get_certified_head`` plus one certified head call on a real hidden state (the screen's
-fbgemm prepack happens then when the outlier columns are calibrated on the first call). Interleaved
-repetitions, medians; prints JSON with the parts of the artifact path.
+"Ready head" = ``get_certified_head`` plus one certified head call on a real hidden state. With hf_csv's native
+kernel (``hf_csv_kernels.native``, the default where it builds) there is no prepack; with ``HF_CSV_NATIVE=0`` the
+call waits for fbgemm's prepack. Interleaved repetitions, medians; prints JSON with the parts of the artifact
+path, which screen kernel ran, and the process's one-time build-or-load time of the native library.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import hf_csv
 from hf_csv import CSVConfig
 from hf_csv.artifact import CSVArtifact
 from hf_csv.head import get_certified_head
+from hf_csv_kernels import native
 
 
 def main() -> None:
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    native_ok = native.available()  # the library's one-time build (first use on a machine) or load, reported apart
     m = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     head = m.get_output_embeddings()
     seen = []
@@ -66,7 +69,9 @@ def main() -> None:
     out = {"model": a.model, "threads": a.threads, "vocab": head.weight.shape[0], "hidden": head.weight.shape[1],
            "artifact_build_s": round(build_s, 2), "first_call_scratch_s": med(scratch),
            "first_call_artifact_s": med(art),
-           "artifact_parts_s": {k: med([p[k] for p in parts]) for k in parts[0]}, "reps": a.reps}
+           "artifact_parts_s": {k: med([p[k] for p in parts]) for k in parts[0]}, "reps": a.reps,
+           "screen_kernel": "native" if native_ok else "fbgemm", "native_unavailable": native.why_unavailable(),
+           "native_library_load_s": round(native.load_seconds or 0.0, 3)}
     print(json.dumps(out, indent=2))
 
 

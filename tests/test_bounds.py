@@ -71,10 +71,14 @@ def test_screen_kernels_two_sided(head):
     rows = quantize_rows_int8(W)
     ex = H.double() @ W.double().T
     cols = torch.arange(min(3, W.shape[1]))
-    for state in (prepare_screen(rows, torch.tensor([0])), prepare_screen(rows, cols, weight=W)):
-        for fn in (screen_int8_reference, screen_int8_cpu):
-            est, rad = fn(state, H)
-            assert ((ex - est.double()).abs() <= rad.double()).all(), fn.__name__
+    for nat in (False, None):  # fbgemm, and hf_csv's native kernel where it is available
+        for state in (prepare_screen(rows, torch.tensor([0]), native=nat), prepare_screen(rows, cols, weight=W, native=nat)):
+            for fn in (screen_int8_reference, screen_int8_cpu):
+                est, rad = fn(state, H)
+                assert ((ex - est.double()).abs() <= rad.double()).all(), fn.__name__
+                for r in range(H.shape[0]):  # one row: the native kernel on any head it serves
+                    e1, r1 = fn(state, H[r:r + 1])
+                    assert ((ex[r] - e1[0].double()).abs() <= r1[0].double()).all(), fn.__name__
 
 
 def _off_grid_head(V=64, d=48, k=4, seed=0):

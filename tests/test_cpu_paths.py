@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hf_csv_kernels.screen as scr
+from hf_csv_kernels import native
 from hf_csv.certificate import CertifiedHead
 from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
 from hf_csv_kernels.quantize import rows_from_codes
@@ -112,7 +113,7 @@ def test_chunked_packs_give_the_same_screen_and_swap_to_one(monkeypatch):
     H[:, 5] *= 200  # a massive activation, kept exact as an outlier column
     rows = quantize_rows_int8(W, progress=False)
     cols = torch.tensor([5])
-    whole = scr.prepare_screen(rows, cols)
+    whole = scr.prepare_screen(rows, cols, native=False)  # fbgemm's packs (the native kernel needs none)
     assert len(whole.packed) == 1
     monkeypatch.setattr(scr, "_PACK_ROWS", 96)
     started = []
@@ -124,12 +125,12 @@ def test_chunked_packs_give_the_same_screen_and_swap_to_one(monkeypatch):
         return t
 
     monkeypatch.setattr(scr.threading, "Thread", spy)
-    chunked = scr.prepare_screen(rows, cols)
+    chunked = scr.prepare_screen(rows, cols, native=False)
     e1, r1 = scr.screen_int8_cpu(whole, H)
     for t in started:
         t.join()
     assert len(chunked.packed) == 1  # consolidated in the background
-    nocons = scr.prepare_screen(rows, cols, consolidate=False)
+    nocons = scr.prepare_screen(rows, cols, consolidate=False, native=False)
     assert len(nocons.packed) == 11
     e2, r2 = scr.screen_int8_cpu(nocons, H)
     assert torch.equal(e1, e2) and torch.equal(r1, r2)
@@ -173,6 +174,7 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
         return real_pack(q, s)
 
     monkeypatch.setattr(scr, "_pack", slow_pack)
+    monkeypatch.setattr(scr, "_use_native", lambda rows: False)  # fbgemm's path (the native kernel needs no pack)
     m, ids = _tiny_llama()
     ref = m.generate(ids, max_new_tokens=6, do_sample=False)
     hf_csv.enable(m)
@@ -194,6 +196,72 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
     finally:
         gate.set()
         hf_csv.disable(m)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
+def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_several_rows(monkeypatch):
+    """With the native kernel a head is certified from its first step (no prepack to wait for), and fbgemm's
+    pack is built only once a call of several rows comes (then used for such calls, same bound)."""
+    import hf_csv
+
+    packs = []
+    real_pack = scr._pack
+    monkeypatch.setattr(scr, "_pack", lambda q, s: packs.append(1) or real_pack(q, s))
+    m, ids = _tiny_llama()
+    ref = m.generate(ids, max_new_tokens=6, do_sample=False)
+    hf_csv.enable(m)
+    try:
+        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["full_head_calls"] == 0 and st["certified"] == 6
+        assert not any("still being packed" in r for r in st["reasons"])
+        from hf_csv.head import find_head, get_certified_head
+
+        ch = get_certified_head(find_head(m)[1], hf_csv.CSVConfig())
+        state = ch.provider.state
+        assert state.native is not None and packs == []
+        W = find_head(m)[1].weight
+        H = torch.randn(3, W.shape[1]) * 3
+        e0, r0 = scr.screen_int8_cpu(state, H)  # native (the pack is starting) ...
+        for t in threading.enumerate():
+            if t.name == "hf_csv-screen-pack":
+                t.join(30)
+        assert packs == [1] and state.packed is not None
+        e1, r1 = scr.screen_int8_cpu(state, H)  # ... then fbgemm: both sound
+        ex = H.double() @ W.double().T
+        for e, r in ((e0, r0), (e1, r1)):
+            assert ((ex - e.double()).abs() <= r.double()).all()
+        assert not torch.equal(e0, e1)  # two different kernels ran
+    finally:
+        hf_csv.disable(m)
+
+
+def test_native_kernel_is_exact_and_refuses_code_minus_128():
+    """The kernel's integer dot products are exact (bit for bit against int64 arithmetic and the same float
+    steps), in both layouts, for any thread count, with tails in V and d; a −128 code keeps fbgemm."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(3)
+    for V, d in [(103, 70), (64, 32), (1001, 576), (7, 5)]:
+        q = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
+        s = torch.rand(V, generator=g)
+        qi, mn = native.interleave(q)
+        assert mn == int(q.min()) and native.min_code(q) == int(q.min())
+        for N in (1, 3):
+            A = torch.randint(-127, 128, (N, d), generator=g, dtype=torch.int8)
+            cr = torch.rand(N, generator=g)
+            ref = ((A.long() @ q.long().T).float() * s) * cr[:, None]
+            for il, qq in ((False, q), (True, qi)):
+                for th in (1, 3):
+                    assert torch.equal(native.screen_i8(qq, s, A, cr, il, threads=th, chunk=8), ref), (V, d, N, il)
+    q = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)
+    W = q.float() * 0.01
+    rows = quantize_rows_int8(W, progress=False)
+    assert scr.prepare_screen(rows).native is not None
+    rows.q[3, 7] = -128  # a foreign code (from a file, say): the sign trick would overflow on it
+    st_ = scr.prepare_screen(rows)
+    assert st_.native is None and st_.packed is not None
 
 
 def test_tuner_follows_a_changed_caller_thread_count(monkeypatch):

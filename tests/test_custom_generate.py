@@ -78,9 +78,14 @@ def test_csv_config_from_kwargs_overrides_the_default(llama_repo):
 
     ref, repo = llama_repo
     m = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
-    out = m.generate(IDS, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig(budget=1))
-    assert torch.equal(out, _stock(ref, max_new_tokens=6, do_sample=False))
-    assert m.csv_last_stats["certified"] < m.csv_last_stats["rows"]  # budget 1: rows fall back, still exact
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=20)
+    out = _seeded(m, dict(kw, csv_config=hf_csv.CSVConfig(budget=1)))
+    assert torch.equal(out, _stock(ref, **kw))
+    # budget 1 < the 20 tokens a top-20 certificate holds: every row falls back (the default budget certifies them)
+    st = m.csv_last_stats
+    assert st["rows"] > 0 and st["certified"] == 0, st
+    _seeded(m, kw)
+    assert m.csv_last_stats["certified"] > 0
 
 
 def test_whisper_per_model_and_per_call(tmp_path):
