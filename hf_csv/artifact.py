@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,16 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _check_hashes(jobs: list) -> None:
+    """Join the sha256 threads of :meth:`CSVArtifact._read`; IndexFormatError on a mismatch."""
+    for th, box, fpath, sha in jobs:
+        th.join()
+        if box.get("error") is not None:
+            raise IndexFormatError(f"cannot hash {fpath}: {box['error']}")
+        if box.get("sha") != sha:
+            raise IndexFormatError(f"{fpath} is corrupt or truncated: sha256 {box.get('sha')} != recorded {sha}")
 
 
 @dataclass
@@ -220,12 +231,25 @@ class CSVArtifact:
 
     @classmethod
     def from_pretrained(cls, pretrained: Union[str, os.PathLike], revision: Optional[str] = None,
-                        verify: bool = True, **hub_kwargs: Any) -> "CSVArtifact":
-        """Load from a local directory, or from the Hub (``revision`` pinned; huggingface_hub's cache)."""
+                        verify: bool = True, defer_verify: bool = False, **hub_kwargs: Any) -> "CSVArtifact":
+        """Load from a local directory, or from the Hub (``revision`` pinned; huggingface_hub's cache).
+
+        ``verify`` checks each file's sha256 against the config (in a thread, while the file is read). With
+        ``defer_verify`` the check is still running when this returns: call :meth:`wait_verified` before trusting
+        the files (hf_csv's head does, before it hands out a head built from them; the screen's error terms are
+        recomputed from the live head anyway, so soundness never rests on the files)."""
         path = Path(pretrained)
         if not path.is_dir():
             path = Path(hub.download(str(pretrained), ARTIFACT_FILES, revision=revision, **hub_kwargs))
-        return cls._load_dir(path, verify=verify)
+        art = cls._load_dir(path, verify=verify)
+        if not defer_verify:
+            art.wait_verified()
+        return art
+
+    def wait_verified(self) -> None:
+        """Wait for the sha256 checks started by :meth:`from_pretrained`; raise IndexFormatError on a mismatch."""
+        pending, self._pending = getattr(self, "_pending", []), []
+        _check_hashes(pending)
 
     @classmethod
     def _load_dir(cls, path: Path, verify: bool = True) -> "CSVArtifact":
@@ -243,10 +267,11 @@ class CSVArtifact:
         except (json.JSONDecodeError, TypeError) as e:
             raise IndexFormatError(f"{cpath} is not a valid artifact config: {e}") from e
         screen = index = None
+        pending: list = []
         for name in (SCREEN_NAME, INDEX_NAME):
             if name not in config.sha256:
                 continue
-            tensors = cls._read(path / name, config.sha256[name], verify)
+            tensors = cls._read(path / name, config.sha256[name], verify, pending)
             if name == SCREEN_NAME:
                 if not config.screen:
                     raise IndexFormatError(f"{cpath}: a screen file without its screen entry")
@@ -256,20 +281,44 @@ class CSVArtifact:
                     index = VocabIndex(IndexConfig(**config.index), tensors)
                 except TypeError as e:
                     raise IndexFormatError(f"{cpath}: bad index entry: {e}") from e
-        return cls(config, screen, index)
+        art = cls(config, screen, index)
+        art._pending = pending
+        return art
 
     @staticmethod
-    def _read(fpath: Path, sha: str, verify: bool) -> dict:
+    def _read(fpath: Path, sha: str, verify: bool, pending: Optional[list] = None) -> dict:
+        """The file's tensors; with ``verify`` its sha256 is computed in a thread (hashlib releases the GIL) and
+        appended to ``pending`` for :meth:`wait_verified`, or checked here when ``pending`` is None."""
         if not fpath.is_file():
             raise IndexFormatError(f"{fpath.name} missing in {fpath.parent}")
+        job = None
         if verify:
-            got = _sha256(fpath)
-            if got != sha:
-                raise IndexFormatError(f"{fpath} is corrupt or truncated: sha256 {got} != recorded {sha}")
+            box: dict = {}
+
+            def run() -> None:
+                try:
+                    box["sha"] = _sha256(fpath)
+                except Exception as e:  # noqa: BLE001 - reported by wait_verified
+                    box["error"] = e
+
+            th = threading.Thread(target=run, name="hf_csv-artifact-sha256")
+            th.start()
+            job = (th, box, fpath, sha)
         try:
-            return load_file(str(fpath))
+            tensors = load_file(str(fpath))
         except Exception as e:  # safetensors raises several types for damaged files
+            if job is not None:
+                job[0].join()
+                if job[1].get("sha") not in (None, sha):  # say "corrupt" when the hash says so
+                    raise IndexFormatError(f"{fpath} is corrupt or truncated: sha256 {job[1]['sha']} != recorded "
+                                           f"{sha}") from e
             raise IndexFormatError(f"cannot read {fpath}: {e}") from e
+        if job is not None:
+            if pending is None:
+                _check_hashes([job])
+            else:
+                pending.append(job)
+        return tensors
 
     @classmethod
     def _load_legacy(cls, path: Path, verify: bool) -> "CSVArtifact":

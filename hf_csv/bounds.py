@@ -124,7 +124,7 @@ class ScreenProvider:
         cols = self._choose(self._seen)
         self._seen = None
         if not torch.equal(cols.to(self.state.outlier_cols.device), self.state.outlier_cols):
-            self.state.outliers = make_outliers(self.rows, cols, self._weight)
+            self.state.swap_outliers(make_outliers(self.rows, cols, self._weight))
             self.recalibrated = True
 
     def ready(self) -> bool:

@@ -242,23 +242,30 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
             if (art or index) is not None and local_shard_of(head.weight) is None:
                 # any artifact given must be the one built for this head, whatever the provider
                 (art or index).check_head(head.weight.detach(), None if head.bias is None else head.bias.detach())
-            if config.vocab_parallel is not None or local_shard_of(head.weight) is not None:
-                ch = _vocab_parallel_head(head, config, index)
-            else:
-                kw = {}
-                if config.provider == "screen":
-                    # a large head is packed in the background; its first steps use the full head meanwhile
-                    kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant, "background": True}
-                    if art is not None and art.screen is not None and art.screen.quant == config.screen_quant:
-                        # skip the quantization: the stored codes, error terms recomputed from this head
-                        # (its columns were calibrated on a dummy input: re-chosen from the first 8 real rows)
-                        kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols,
-                                  recalibrate=True)
-                elif index is None:
-                    raise CSVError("provider='cluster' needs a cluster index; this artifact has none "
-                                   "(hf-csv build --index)")
-                ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
-                                   budget=config.budget, **kw)
+            try:
+                if config.vocab_parallel is not None or local_shard_of(head.weight) is not None:
+                    ch = _vocab_parallel_head(head, config, index)
+                else:
+                    kw = {}
+                    if config.provider == "screen":
+                        # a large head is packed in the background; its first steps use the full head meanwhile
+                        kw = {"num_outliers": config.num_outliers, "quant": config.screen_quant, "background": True}
+                        if art is not None and art.screen is not None and art.screen.quant == config.screen_quant:
+                            # skip the quantization: the stored codes, error terms recomputed from this head
+                            # (its columns were calibrated on a dummy input: re-chosen from the first 8 real rows)
+                            kw.update(rows=art.screen.rows_for(head.weight), outlier_cols=art.screen.outlier_cols,
+                                      recalibrate=True)
+                    elif index is None:
+                        raise CSVError("provider='cluster' needs a cluster index; this artifact has none "
+                                       "(hf-csv build --index)")
+                    ch = CertifiedHead(head.weight, head.bias, provider=config.provider, index=index,
+                                       budget=config.budget, **kw)
+            except BaseException:
+                if art is not None:  # a damaged file is reported as such, not as what it broke
+                    art.wait_verified()
+                raise
+            if art is not None:
+                art.wait_verified()  # its sha256 ran beside the recompute (CSVArtifact.from_pretrained)
             ch._src_key = _weight_key(head)
             from .speed import MIN_WEIGHTS, SpeedGuard
 
@@ -277,7 +284,7 @@ def _artifact_of(config: CSVConfig) -> tuple:
     if not hasattr(index, "check_head"):
         from .artifact import CSVArtifact
 
-        index = CSVArtifact.from_pretrained(index, revision=config.revision)
+        index = CSVArtifact.from_pretrained(index, revision=config.revision, defer_verify=True)
     if hasattr(index, "screen"):  # a CSVArtifact
         return index, index.index
     return None, index

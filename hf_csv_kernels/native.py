@@ -36,7 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "why_unavailable", "screen_i8", "interleave", "min_code", "MAX_D"]
+__all__ = ["available", "why_unavailable", "screen_i8", "interleave", "min_code", "row_terms", "MAX_D"]
 
 _SRC = Path(__file__).with_name("csrc") / "screen_avx2.c"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
@@ -93,6 +93,8 @@ def _build() -> ctypes.CDLL:
     lib.hf_csv_interleave4.restype = i32
     lib.hf_csv_min_i8.argtypes = [p, i64]
     lib.hf_csv_min_i8.restype = i32
+    lib.hf_csv_row_terms.argtypes = [p, p, p, i64, i64, p, p, p, i32]
+    lib.hf_csv_row_terms.restype = i32
     return lib
 
 
@@ -178,3 +180,42 @@ def screen_i8(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.T
     lib.hf_csv_screen_i8(q.data_ptr(), scale.data_ptr(), V, d, A.data_ptr(), cr.data_ptr(), N, out.data_ptr(),
                          max(1, n), int(chunk), int(bool(interleaved)))
     return out
+
+
+
+# Each float64 sum of n <= MAX_D (< 133,000) nonnegative terms, every term within 3·2^-53 of its real value,
+# errs by at most (n + 3)·2^-53 < 1.5e-11 relatively; the square root and the products below add a few 2^-53 more
+_RAISE = 1.0 + 1e-10
+
+
+def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              threads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(err_l2, l1, abs_l1), float32 [V]: rounded-up bounds on ||W_i − s_i q_i||_2, ||s_i q_i||_1 and ||W_i||_1 for a
+    float32 head ``weight`` [V, d] and its int8 codes ``q`` (scale ``s``), in one pass over memory — the terms of
+    :class:`hf_csv_kernels.quantize.Int8Rows`, a little tighter than the float32 pass of the quantizer (which
+    ``quantize.rows_from_codes`` uses where this kernel is not available).
+
+    In C: s_i·q_ij exact in float64, each difference, square and add rounded once (2^-53), so the float64 sums
+    are within (d + 3)·2^-53 < 1.5e-11 relatively of the real ones; l1 = s_i·Σ|q_ij| with the integer sum exact.
+    Here each is raised by 1 + 1e-10 (in float64, after the square root for err_l2) and rounded up to float32.
+    """
+    from .quantize import round_up_f32
+
+    lib = _lib_or_raise()
+    V, d = q.shape
+    if d > MAX_D:
+        raise ValueError(f"hidden size {d} > {MAX_D}")
+    for t, dt, shape in ((weight, torch.float32, (V, d)), (q, torch.int8, (V, d)), (scale, torch.float32, (V,))):
+        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"row_terms: expected a contiguous CPU {dt} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    err2 = torch.empty(V, dtype=torch.float64)
+    absl1 = torch.empty(V, dtype=torch.float64)
+    l1q = torch.empty(V, dtype=torch.int64)
+    n = torch.get_num_threads() if threads is None else int(threads)
+    lib.hf_csv_row_terms(weight.data_ptr(), q.data_ptr(), scale.data_ptr(), V, d, err2.data_ptr(), l1q.data_ptr(),
+                         absl1.data_ptr(), max(1, n))
+    err_l2 = round_up_f32(err2.sqrt_().mul_(_RAISE))
+    l1 = round_up_f32(l1q.double().mul_(scale.double()).mul_(_RAISE))
+    abs_l1 = round_up_f32(absl1.mul_(_RAISE))
+    return err_l2, l1, abs_l1

@@ -13,12 +13,12 @@ every bound built from them is an over-estimate of the real-number quantity.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .threads import intra_op_threads
 
 __all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "rows_from_codes", "unit_roundoff",
            "gamma", "round_up_f32", "FP8_E4M3_MAX"]
@@ -121,7 +121,7 @@ def _quantize_rows(weight: torch.Tensor, chunk_rows: Optional[int], qdtype: torc
     ±127, or fp8 e4m3 codes (round to nearest) of w/s clamped to ±448.
 
     The error terms come from :func:`_terms_into` (fp32 with rigorous margins; the same function that
-    :func:`rows_from_codes` uses, so a saved screen and its recompute agree bit for bit), chunked so that
+    :func:`rows_from_codes` uses without the C kernel, so a saved screen and that recompute agree bit for bit), chunked so that
     the working copies stay in cache.
     """
     if weight.dim() != 2:
@@ -134,42 +134,80 @@ def _quantize_rows(weight: torch.Tensor, chunk_rows: Optional[int], qdtype: torc
     out = Int8Rows(q=q, scale=scale, err_l2=torch.empty_like(scale), l1=torch.empty_like(scale),
                    abs_l1=torch.empty_like(scale))
     step = _chunk_rows(d, chunk_rows)
-    work = _Work(min(step, V), d, weight.device)
-    wbuf = torch.empty(min(step, V), d, dtype=torch.float32, device=weight.device) \
-        if weight.dtype != torch.float32 else None
-    with _one_thread(weight):
-        _quantize_chunks(weight, q, scale, out, step, work, wbuf, qdtype, qmax, progress)
+    slots: dict = {}
+
+    def body(lo: int, hi: int, slot: int) -> None:
+        if slot not in slots:  # per worker: scratch buffers reused chunk after chunk
+            slots[slot] = (_Work(min(step, V), d, weight.device),
+                           torch.empty(min(step, V), d, dtype=torch.float32, device=weight.device)
+                           if weight.dtype != torch.float32 else None)
+        work, wbuf = slots[slot]
+        _quantize_chunk(weight, q, scale, out, lo, hi, work, wbuf, qdtype, qmax)
+
+    _run_chunks(V, step, f"hf_csv: quantizing the head ({V} x {d})", progress, body, weight.device)
     return out
 
 
-def _one_thread(t: torch.Tensor):
-    """CPU: the chunk loops run on one intra-op thread. Each chunk is a dozen small ops; on two threads
-    every op is a fork/join, and with another process on a core each join can wait a scheduler slice
-    (measured: Qwen-0.5B's quantization took 25 s beside a 2-thread test run on this 2-core machine)."""
-    return intra_op_threads(1) if t.device.type == "cpu" else contextlib.nullcontext()
+def _run_chunks(V: int, step: int, desc: str, progress: bool, body, device: torch.device) -> None:
+    """``body(lo, hi, slot)`` over the row chunks, on ``torch.get_num_threads()`` (at most 8) Python workers that
+    take chunks from a shared iterator, each with its own scratch ``slot`` and on one intra-op thread. Per-row
+    work, so the result does not depend on which worker ran a chunk. Why not torch's own threads: each chunk is
+    a dozen small ops, each a fork/join on several intra-op threads, and with another process on a core each
+    join can wait a scheduler slice (measured: Qwen-0.5B's quantization took 25 s beside a 2-thread test run on
+    this 2-core machine, 0.47 s on one thread); a worker on a busy core here just takes fewer chunks. The first
+    exception stops the others and is raised. The caller's thread count is restored after."""
+    cpu = device.type == "cpu"
+    prev = torch.get_num_threads()
+    workers = max(1, min(8, prev, -(-V // step))) if cpu else 1
+    it = iter(_chunks(V, step, desc, progress))
+    lock = threading.Lock()
+    errors: list = []
+
+    def run(slot: int) -> None:
+        try:
+            if cpu:
+                torch.set_num_threads(1)  # this thread's count (the main thread's is restored below)
+            while not errors:
+                with lock:
+                    lo = next(it, None)
+                if lo is None:
+                    return
+                body(lo, min(V, lo + step), slot)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"hf_csv-rows-{k}") for k in range(1, workers)]
+    try:
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+    finally:
+        if cpu:
+            torch.set_num_threads(prev)
+    if errors:
+        raise errors[0]
 
 
-def _quantize_chunks(weight, q, scale, out, step, work, wbuf, qdtype, qmax, progress) -> None:
-    V, d = weight.shape
-    for lo in _chunks(V, step, f"hf_csv: quantizing the head ({V} x {d})", progress):
-        hi = min(V, lo + step)
-        a, b, c = work.views(hi - lo)
-        w = _as_f32(weight[lo:hi], wbuf[: hi - lo] if wbuf is not None else None)
-        absw = torch.abs(w, out=a)
-        amax = absw.amax(1)
-        if not bool(torch.isfinite(amax).all()):
-            raise ValueError("head weight contains non-finite values")
-        sc = amax / qmax
-        sc = torch.where(sc > 0, sc, torch.ones_like(sc))  # all-zero row: any scale is exact
-        x = torch.div(w, sc[:, None], out=b)
-        if qdtype == torch.int8:
-            x.round_().clamp_(-127, 127)  # integers: their fp32 values are the codes' exactly
-            q[lo:hi].copy_(x)
-        else:
-            q[lo:hi].copy_(x.clamp_(-qmax, qmax))  # round to nearest e4m3
-            x.copy_(q[lo:hi])  # the codes' fp32 values
-        scale[lo:hi] = sc
-        _terms_into(out, lo, w, x, sc, c, absw)
+def _quantize_chunk(weight, q, scale, out, lo, hi, work, wbuf, qdtype, qmax) -> None:
+    a, b, c = work.views(hi - lo)
+    w = _as_f32(weight[lo:hi], wbuf[: hi - lo] if wbuf is not None else None)
+    absw = torch.abs(w, out=a)
+    amax = absw.amax(1)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("head weight contains non-finite values")
+    sc = amax / qmax
+    sc = torch.where(sc > 0, sc, torch.ones_like(sc))  # all-zero row: any scale is exact
+    x = torch.div(w, sc[:, None], out=b)
+    if qdtype == torch.int8:
+        x.round_().clamp_(-127, 127)  # integers: their fp32 values are the codes' exactly
+        q[lo:hi].copy_(x)
+    else:
+        q[lo:hi].copy_(x.clamp_(-qmax, qmax))  # round to nearest e4m3
+        x.copy_(q[lo:hi])  # the codes' fp32 values
+    scale[lo:hi] = sc
+    _terms_into(out, lo, w, x, sc, c, absw)
 
 
 @torch.no_grad()
@@ -195,6 +233,16 @@ def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: Optional[int] = None, pr
     return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX, progress)
 
 
+def _native_terms_ok(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """hf_csv's one-pass C kernel computes these terms (float32 CPU head, int8 codes, kernel available)."""
+    if not (weight.dtype == torch.float32 and q.dtype == torch.int8 and weight.device.type == "cpu"
+            and q.device.type == "cpu" and weight.is_contiguous() and q.is_contiguous()):
+        return False
+    from . import native
+
+    return q.shape[1] <= native.MAX_D and native.available()
+
+
 @torch.no_grad()
 def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk_rows: Optional[int] = None,
                     progress: bool = True) -> Int8Rows:
@@ -203,7 +251,9 @@ def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
 
     The returned terms bound the real quantities for *these* codes whatever they are: codes loaded
     from a file need no trust for soundness (a corrupt or foreign code only loosens the bound; callers
-    compare the terms with the stored ones to detect that). One pass over ``weight``.
+    compare the terms with the stored ones to detect that). One pass over ``weight``: for a float32 CPU head with
+    int8 codes in hf_csv's C kernel (:func:`hf_csv_kernels.native.row_terms`, float64 sums: a little tighter than
+    the quantizer's stored terms, within the artifact check's slack), else the float32 pass below.
 
     Margins (u = 2^-24, n = d): a computed difference d_j = fl(w_j − fl(s·q_j)) is within
     u·|ŵ_j|(1+u) + u·|w_j − ŵ_j| + u²|ŵ_j| of the real e_j = w_j − ŵ_j, so
@@ -215,15 +265,24 @@ def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
                          f"{tuple(weight.shape)}")
     V, d = weight.shape
     s_all = scale.float()
+    if _native_terms_ok(weight, q, s_all):
+        from . import native
+
+        err_l2, l1, abs_l1 = native.row_terms(weight, q, s_all.contiguous())
+        return Int8Rows(q=q, scale=s_all, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
     out = Int8Rows(q=q, scale=s_all, err_l2=torch.empty(V, dtype=torch.float32, device=weight.device),
                    l1=torch.empty(V, dtype=torch.float32, device=weight.device),
                    abs_l1=torch.empty(V, dtype=torch.float32, device=weight.device))
     step = _chunk_rows(d, chunk_rows)
-    work = _Work(min(step, V), d, weight.device)
-    with _one_thread(weight):
-        for lo in _chunks(V, step, f"hf_csv: checking the stored screen ({V} x {d})", progress):
-            hi = min(V, lo + step)
-            a, b, c = work.views(hi - lo)
-            w = _as_f32(weight[lo:hi], a)  # may be the weight itself (float32): _terms_into never writes into w
-            _terms_into(out, lo, w, b.copy_(q[lo:hi]), s_all[lo:hi], c)
+    slots: dict = {}
+
+    def body(lo: int, hi: int, slot: int) -> None:
+        work = slots.get(slot)
+        if work is None:
+            work = slots[slot] = _Work(min(step, V), d, weight.device)
+        a, b, c = work.views(hi - lo)
+        w = _as_f32(weight[lo:hi], a)  # may be the weight itself (float32): _terms_into never writes into w
+        _terms_into(out, lo, w, b.copy_(q[lo:hi]), s_all[lo:hi], c)
+
+    _run_chunks(V, step, f"hf_csv: checking the stored screen ({V} x {d})", progress, body, weight.device)
     return out

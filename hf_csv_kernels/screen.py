@@ -57,6 +57,16 @@ class ScreenState:
     native: Optional[tuple] = None
     # with the native kernel, fbgemm is packed only once a call of more than one row asks for it
     _pack_started: bool = False
+    _swap: threading.Lock = field(default_factory=threading.Lock)
+
+    def swap_outliers(self, new: "Outliers", expected: Optional["Outliers"] = None) -> bool:
+        """Swap in another outlier set as one object (readers take ``outliers`` once per call); with ``expected``,
+        only if that is still the current set (a later recalibration wins over an older background build)."""
+        with self._swap:
+            if expected is not None and self.outliers is not expected:
+                return False
+            self.outliers = new
+            return True
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -246,7 +256,19 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     only.
     """
     V = rows.q.shape[0]
-    state = ScreenState(rows=rows, outliers=make_outliers(rows, outlier_cols, weight))
+    # a large head in the background: the exact outlier columns (a V×k gather of W and float64 terms, 0.1–0.4 s
+    # on Gemma-3's head) follow in a thread; the first calls use Ŵ's columns (Lemma 1: sound, a little looser)
+    exact_later = (background and weight is not None and V > _PACK_ROWS and outlier_cols is not None
+                   and outlier_cols.numel() > 0)
+    state = ScreenState(rows=rows, outliers=make_outliers(rows, outlier_cols, None if exact_later else weight))
+    if exact_later:
+        def exact(first: Outliers = state.outliers) -> None:
+            try:
+                state.swap_outliers(make_outliers(rows, first.cols, weight), expected=first)
+            except Exception:  # keep Ŵ's columns: sound, a little looser
+                pass
+
+        threading.Thread(target=exact, name="hf_csv-screen-outliers").start()
     if pack_cpu and native is not False and _use_native(rows):
         # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
         # background, and fbgemm's pack only when a call of several rows asks for it (see _native_screen)

@@ -140,9 +140,12 @@ def test_chunked_packs_give_the_same_screen_and_swap_to_one(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt):
-    """An artifact's stored terms and their recompute from the live head must match exactly
-    (the artifact check compares them), whatever the chunking."""
+def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt, monkeypatch):
+    """An artifact's stored terms and their float32 recompute from the live head must match exactly
+    (the artifact check compares them), whatever the chunking. (hf_csv's C recompute is checked below.)"""
+    import hf_csv_kernels.quantize as qz
+
+    monkeypatch.setattr(qz, "_native_terms_ok", lambda *a: False)
     g = torch.Generator().manual_seed(2)
     W = (torch.randn(777, 40, generator=g) * torch.logspace(-3, 1, 777)[:, None]).to(dtype)
     W[3] = 0
@@ -157,6 +160,38 @@ def test_quantizer_and_recompute_agree_bit_for_bit(dtype, fmt):
     assert (r.abs_l1.double() >= W.double().abs().sum(1)).all()
     r3 = quant(W, progress=False)  # default chunking: same codes
     assert torch.equal(r3.q.view(torch.int8), r.q.view(torch.int8))
+
+
+def test_native_row_terms_are_rigorous_and_within_the_artifact_check():
+    """hf_csv's one-pass C recompute (float64 sums): every term bounds its exact quantity (checked in exact
+    rational arithmetic on a few rows and in float64 on all), and none exceeds the quantizer's stored float32 term
+    beyond the artifact check's slack (so a saved screen still loads)."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    from fractions import Fraction
+
+    from hf_csv.artifact import _TERM_SLACK
+
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(1234, 77, generator=g) * torch.logspace(-4, 2, 1234)[:, None]
+    W[3] = 0
+    W[7, 5] = 1e-30  # a tiny entry beside large ones
+    r = quantize_rows_int8(W, progress=False)
+    r2 = rows_from_codes(W, r.q, r.scale, progress=False)
+    assert r2.err_l2 is not r.err_l2
+    deq = r.q.double() * r.scale.double()[:, None]
+    assert (r2.err_l2.double() >= (W.double() - deq).norm(dim=1)).all()
+    assert (r2.l1.double() >= deq.abs().sum(1)).all()
+    assert (r2.abs_l1.double() >= W.double().abs().sum(1)).all()
+    for k in ("err_l2", "l1", "abs_l1"):
+        got, stored = getattr(r2, k), getattr(r, k)
+        assert (got <= stored * (1 + _TERM_SLACK) + 1e-30).all(), k
+    for i in (0, 3, 7, 500, 1233):  # exact arithmetic: sum of squares below err_l2², sums below the l1 terms
+        w = [Fraction(float(x)) for x in W[i]]
+        dq = [Fraction(float(r.scale[i])) * int(c) for c in r.q[i]]
+        assert sum((a - b) ** 2 for a, b in zip(w, dq)) <= Fraction(float(r2.err_l2[i])) ** 2
+        assert sum(abs(b) for b in dq) <= Fraction(float(r2.l1[i]))
+        assert sum(abs(a) for a in w) <= Fraction(float(r2.abs_l1[i]))
 
 
 @pytest.mark.skipif(not scr.fbgemm_available(), reason="needs fbgemm")

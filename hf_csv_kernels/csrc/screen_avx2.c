@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <math.h>
+#include <stdlib.h>
 
 typedef struct {
     const int8_t *q; const int8_t *a; const float *scale; const float *cr; float *out;
@@ -150,4 +152,63 @@ int hf_csv_min_i8(const int8_t *q, int64_t n) {
     for (int k = 0; k < 32; k++) if (b[k] < mn) mn = b[k];
     for (; i < n; i++) if (q[i] < mn) mn = q[i];
     return mn;
+}
+
+/* Per row i of a float32 head w [V, d] and its codes q (int8, scale s_i), in float64 / int64:
+   err2[i] = sum_j (w_ij - s_i q_ij)^2, l1q[i] = sum_j |q_ij|, absl1[i] = sum_j |w_ij|.
+   s_i q_ij is exact in float64 (24 + 8 bits); each difference, square and add rounds once (relative 2^-53),
+   so err2 and absl1 are within (d + 2) 2^-53 relatively of the real sums (every term >= 0); l1q is exact.
+   (native.row_terms turns them into rounded-up float32 bounds.) Rows go to threads as in the screen. */
+typedef struct {
+    const float *w; const int8_t *q; const float *scale; double *err2; int64_t *l1q; double *absl1;
+    int64_t V, d, chunk; atomic_long next;
+} terms_t;
+
+static void *terms_worker(void *p) {
+    terms_t *T = (terms_t *)p;
+    for (;;) {
+        int64_t lo = atomic_fetch_add(&T->next, T->chunk);
+        if (lo >= T->V) break;
+        int64_t hi = lo + T->chunk < T->V ? lo + T->chunk : T->V;
+        for (int64_t i = lo; i < hi; i++) {
+            const float *w = T->w + i * T->d;
+            const int8_t *q = T->q + i * T->d;
+            const double s = (double)T->scale[i];
+            /* four partial sums each (any order is covered by the error bound), so the loop vectorizes */
+            double e[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0};
+            int32_t l[4] = {0, 0, 0, 0};  /* |q| <= 127: below 2^31 for d < MAX_D */
+            int64_t j = 0;
+            for (; j + 4 <= T->d; j += 4)
+                for (int k = 0; k < 4; k++) {
+                    const double x = (double)w[j + k] - s * (double)q[j + k];
+                    e[k] += x * x;
+                    a[k] += (double)fabsf(w[j + k]);
+                    l[k] += abs((int)q[j + k]);
+                }
+            for (; j < T->d; j++) {
+                const double x = (double)w[j] - s * (double)q[j];
+                e[0] += x * x;
+                a[0] += (double)fabsf(w[j]);
+                l[0] += abs((int)q[j]);
+            }
+            T->err2[i] = (e[0] + e[1]) + (e[2] + e[3]);
+            T->absl1[i] = (a[0] + a[1]) + (a[2] + a[3]);
+            T->l1q[i] = (int64_t)l[0] + l[1] + l[2] + l[3];
+        }
+    }
+    return 0;
+}
+
+int hf_csv_row_terms(const float *w, const int8_t *q, const float *scale, int64_t V, int64_t d,
+                     double *err2, int64_t *l1q, double *absl1, int threads) {
+    terms_t T = {w, q, scale, err2, l1q, absl1, V, d, 1024};
+    atomic_init(&T.next, 0);
+    pthread_t th[64];
+    int n = 0;
+    if (threads > 64) threads = 64;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&th[n], 0, terms_worker, &T) == 0) n++;
+    terms_worker(&T);
+    for (int t = 0; t < n; t++) pthread_join(th[t], 0);
+    return n + 1;
 }
