@@ -272,6 +272,30 @@ def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_severa
         hf_csv.disable(m)
 
 
+def test_native_kernel_builds_into_an_empty_cache_and_can_be_turned_off(tmp_path):
+    """A fresh machine: the library is compiled into $HF_CSV_KERNEL_CACHE on first use and loaded from there;
+    HF_CSV_NATIVE=0 turns it off with the reason (the screen then uses fbgemm)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    code = ("from hf_csv_kernels import native; import json; "
+            "print(json.dumps([native.available(), native.why_unavailable()]))")
+    env = dict(os.environ, HF_CSV_KERNEL_CACHE=str(tmp_path / "k"))
+    env.pop("HF_CSV_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[true, null]"), out.stdout
+    assert len(list((tmp_path / "k").glob("screen_avx2-*.so"))) == 1
+    env["HF_CSV_NATIVE"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "HF_CSV_NATIVE=0" in out.stdout and "false" in out.stdout
+    shutil.rmtree(tmp_path / "k")
+
+
 def test_native_kernel_is_exact_and_refuses_code_minus_128():
     """The kernel's integer dot products are exact (bit for bit against int64 arithmetic and the same float
     steps), in both layouts, for any thread count, with tails in V and d; a −128 code keeps fbgemm."""
