@@ -194,6 +194,15 @@ def test_native_row_terms_are_rigorous_and_within_the_artifact_check():
         assert sum(abs(a) for a in w) <= Fraction(float(r2.abs_l1[i]))
 
 
+def _certified_greedy(m, ids, ref):
+    """6 greedy tokens with csv_config on an enabled model: stock's tokens; returns the call's stats."""
+    import hf_csv
+
+    out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
+    assert torch.equal(out, ref)
+    return m.csv_last_stats
+
+
 @pytest.mark.skipif(not scr.fbgemm_available(), reason="needs fbgemm")
 def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
     """A large head is packed in the background; until then the certified head says not ready and
@@ -214,9 +223,7 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
     ref = m.generate(ids, max_new_tokens=6, do_sample=False)
     hf_csv.enable(m)
     try:
-        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
-        st = m.csv_last_stats
-        assert torch.equal(out, ref)
+        st = _certified_greedy(m, ids, ref)
         assert st["full_head_calls"] == st["head_calls"] == 6 and st["rows"] == 0
         assert any("still being packed" in r for r in st["reasons"])
         gate.set()
@@ -224,9 +231,7 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
 
         ch = get_certified_head(find_head(m)[1], hf_csv.CSVConfig())
         ch.provider.state.ready.wait(30)
-        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
-        st = m.csv_last_stats
-        assert torch.equal(out, ref)
+        st = _certified_greedy(m, ids, ref)
         assert st["full_head_calls"] == 0 and st["certified"] == 6
     finally:
         gate.set()
@@ -246,9 +251,7 @@ def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_severa
     ref = m.generate(ids, max_new_tokens=6, do_sample=False)
     hf_csv.enable(m)
     try:
-        out = m.generate(ids, max_new_tokens=6, do_sample=False, csv_config=hf_csv.CSVConfig())
-        st = m.csv_last_stats
-        assert torch.equal(out, ref)
+        st = _certified_greedy(m, ids, ref)
         assert st["full_head_calls"] == 0 and st["certified"] == 6
         assert not any("still being packed" in r for r in st["reasons"])
         from hf_csv.head import find_head, get_certified_head

@@ -21,6 +21,19 @@
 #include <math.h>
 #include <stdlib.h>
 
+/* fn(arg) on the calling thread and threads - 1 more (each takes work items from an atomic counter in arg);
+   returns how many ran. A thread that cannot be created just leaves its share to the others. */
+static int run_threads(void *(*fn)(void *), void *arg, int threads) {
+    pthread_t th[64];
+    int n = 0;
+    if (threads > 64) threads = 64;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&th[n], 0, fn, arg) == 0) n++;
+    fn(arg);
+    for (int t = 0; t < n; t++) pthread_join(th[t], 0);
+    return n + 1;
+}
+
 typedef struct {
     const int8_t *q; const int8_t *a; const float *scale; const float *cr; float *out;
     int64_t V, d, N, chunk; int il; atomic_long next;
@@ -103,14 +116,7 @@ int hf_csv_screen_i8(const int8_t *q, const float *scale, int64_t V, int64_t d, 
                      const float *cr, int64_t N, float *out, int threads, int64_t chunk, int interleaved) {
     job_t J = {q, a, scale, cr, out, V, d, N, chunk > 0 ? (chunk + 3) & ~3LL : 2048, interleaved};
     atomic_init(&J.next, 0);
-    pthread_t th[64];
-    int n = 0;
-    if (threads > 64) threads = 64;
-    for (int t = 1; t < threads; t++)
-        if (pthread_create(&th[n], 0, worker, &J) == 0) n++;
-    worker(&J);
-    for (int t = 0; t < n; t++) pthread_join(th[t], 0);
-    return n + 1;
+    return run_threads(worker, &J, threads);
 }
 
 /* The interleaved copy of q (see the layout above) and the smallest code, in one pass. */
@@ -203,12 +209,5 @@ int hf_csv_row_terms(const float *w, const int8_t *q, const float *scale, int64_
                      double *err2, int64_t *l1q, double *absl1, int threads) {
     terms_t T = {w, q, scale, err2, l1q, absl1, V, d, 1024};
     atomic_init(&T.next, 0);
-    pthread_t th[64];
-    int n = 0;
-    if (threads > 64) threads = 64;
-    for (int t = 1; t < threads; t++)
-        if (pthread_create(&th[n], 0, terms_worker, &T) == 0) n++;
-    terms_worker(&T);
-    for (int t = 0; t < n; t++) pthread_join(th[t], 0);
-    return n + 1;
+    return run_threads(terms_worker, &T, threads);
 }
