@@ -43,6 +43,9 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
 # int32 partial sums stay below 2^31 while 127·127·d does (csrc/screen_avx2.c)
 MAX_D = (2 ** 31 - 1) // (127 * 127)
 
+# below this many multiply-adds a call runs on the calling thread alone (a 4 MB screen streams in well under 1 ms)
+_SMALL = 1 << 22
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _why: Optional[str] = None
@@ -177,6 +180,8 @@ def screen_i8(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.T
                              f"{t.dtype} {tuple(t.shape)}")
     out = torch.empty(N, V, dtype=torch.float32)
     n = torch.get_num_threads() if threads is None else int(threads)
+    if threads is None and V * d * N < _SMALL:
+        n = 1  # a thread's start and join (tens of µs) would cost more than its share of the work
     lib.hf_csv_screen_i8(q.data_ptr(), scale.data_ptr(), V, d, A.data_ptr(), cr.data_ptr(), N, out.data_ptr(),
                          max(1, n), int(chunk), int(bool(interleaved)))
     return out
