@@ -135,6 +135,7 @@ class CSVArtifact:
                  index: Optional[VocabIndex] = None):
         if config.format_version > FORMAT_VERSION:
             raise IndexFormatError(f"artifact format {config.format_version} is newer than this hf_csv ({FORMAT_VERSION})")
+        self._pending: list = []  # sha256 checks still running (from_pretrained(defer_verify=True))
         V, d = config.vocab_size, config.hidden_size
         if screen is not None:
             missing = [k for k in _SCREEN_KEYS if k not in screen.tensors]
@@ -248,7 +249,7 @@ class CSVArtifact:
 
     def wait_verified(self) -> None:
         """Wait for the sha256 checks started by :meth:`from_pretrained`; raise IndexFormatError on a mismatch."""
-        pending, self._pending = getattr(self, "_pending", []), []
+        pending, self._pending = self._pending, []
         _check_hashes(pending)
 
     @classmethod

@@ -58,6 +58,9 @@ class ScreenState:
     # with the native kernel, fbgemm is packed only once a call of more than one row asks for it
     _pack_started: bool = False
     _swap: threading.Lock = field(default_factory=threading.Lock)
+    _cache: dict = field(default_factory=dict)
+    # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def swap_outliers(self, new: "Outliers", expected: Optional["Outliers"] = None) -> bool:
         """Swap in another outlier set as one object (readers take ``outliers`` once per call); with ``expected``,
@@ -67,9 +70,6 @@ class ScreenState:
                 return False
             self.outliers = new
             return True
-    _cache: dict = field(default_factory=dict)
-    # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
-    ready: threading.Event = field(default_factory=threading.Event)
 
     @property
     def outlier_cols(self) -> torch.Tensor:
@@ -209,6 +209,9 @@ def _interleave(state: "ScreenState") -> None:
         pass
 
 
+_PACK_LOCK = threading.Lock()
+
+
 def _start_pack(state: "ScreenState") -> None:
     """With the native kernel: pack fbgemm's layout in the background, once, for calls of several rows."""
     with _PACK_LOCK:
@@ -229,8 +232,6 @@ def _start_pack(state: "ScreenState") -> None:
 
     threading.Thread(target=run, name="hf_csv-screen-pack").start()
 
-
-_PACK_LOCK = threading.Lock()
 
 
 def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True,
@@ -271,7 +272,7 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
         threading.Thread(target=exact, name="hf_csv-screen-outliers").start()
     if pack_cpu and native is not False and _use_native(rows):
         # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
-        # background, and fbgemm's pack only when a call of several rows asks for it (see _native_screen)
+        # background, and fbgemm's pack only when a call of several rows asks for it (see screen_int8_cpu)
         state.native = (rows.q, False)
         state.ready.set()
         # not daemons (here and below): interpreter exit waits for them (a native call cannot be interrupted safely)
