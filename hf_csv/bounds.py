@@ -142,9 +142,20 @@ class ScreenProvider:
 
     @torch.no_grad()
     def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        est, upper, _ = self.screen(H)
+        return est, upper
+
+    @torch.no_grad()
+    def screen(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(est, upper, top): :meth:`__call__`'s pair and, where the backend finds it in the same pass, each row's
+        first largest estimate (int64 [N]; else None). One fused pass on the CPU where hf_csv's kernel serves."""
         self.warm(H)
         if self._seen is not None:
             self._observe(H)
+        fused = get_op("screen_bounds", H.device, optional=True)
+        res = None if fused is None else fused(self.state, H, self.bias)
+        if res is not None:
+            return res
         est, rad = get_op("screen_int8", H.device)(self.state, H)
         if self.bias is not None:
             est = est.add_(self.bias)
@@ -153,7 +164,7 @@ class ScreenProvider:
         upper = torch.add(est, rad).addcmul_(self.rows.l1, H.float().abs().amax(1, keepdim=True) * (4 * unit_roundoff()))
         if self.bias is not None:
             upper.add_(self._bias_margin)
-        return est, upper
+        return est, upper, None
 
 
 class ClusterProvider:

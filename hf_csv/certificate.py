@@ -365,8 +365,12 @@ class CertifiedHead:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(Hf)
-        seeds = est.argmax(1, keepdim=True) if k == 1 else est.topk(k, dim=1).indices  # sorted: est's top first
+        screen = getattr(self.provider, "screen", None)
+        est, U, top = screen(Hf) if screen is not None else (*self.provider(Hf), None)
+        if k == 1:  # the seed: est's top (found in the screen's own pass where it can)
+            seeds = (top if top is not None else est.argmax(1)).view(N, 1)
+        else:
+            seeds = est.topk(k, dim=1).indices  # sorted: est's top first
         rows = torch.arange(N, device=Hf.device).repeat_interleave(seeds.shape[1])
         lows = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1)
         E = self.stock_error(Hf)

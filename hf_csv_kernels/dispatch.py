@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,6 +25,8 @@ __all__ = ["backend_for", "get_op", "register", "available_backends"]
 
 _REGISTRY: dict[str, dict[str, Callable]] = {
     "screen_int8": {"reference": screen.screen_int8_reference, "cpu": screen.screen_int8_cpu},
+    # optional, no reference: est, upper and each row's top estimate in one pass, or None where it does not serve
+    "screen_bounds": {"cpu": screen.screen_bounds_cpu},
     "gather_gemv": {"reference": gather.gather_gemv_reference},
     "cluster_upper": {"reference": cluster.cluster_upper_reference},
     "segmented_gemv": {"reference": cluster.segmented_gemv_reference},
@@ -69,12 +71,16 @@ def backend_for(device: torch.device | str) -> str:
     return "reference"
 
 
-def get_op(op: str, device: torch.device | str) -> Callable:
-    """Implementation of ``op`` for ``device``; the reference when the backend lacks it."""
+def get_op(op: str, device: torch.device | str, optional: bool = False) -> Optional[Callable]:
+    """Implementation of ``op`` for ``device``; the reference when the backend lacks it (``optional``: None when
+    there is no reference either — an op only some backends have)."""
     impls = _REGISTRY.get(op)
     if impls is None:
         raise KeyError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
-    return impls.get(backend_for(device), impls["reference"])
+    impl = impls.get(backend_for(device), impls.get("reference"))
+    if impl is None and not optional:
+        raise KeyError(f"op {op!r} has no implementation for {torch.device(device)} and no reference")
+    return impl
 
 
 def available_backends(op: str) -> list[str]:

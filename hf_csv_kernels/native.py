@@ -69,10 +69,42 @@ def _cpu_ok() -> Optional[str]:
     return None
 
 
+def _torch_openmp() -> bool:
+    """torch's intra-op threads are an OpenMP team of libgomp (the Linux wheels): the kernel then takes its threads
+    from the same runtime (csrc/screen_avx2.c, run_threads), once this process has it mapped."""
+    try:
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return False
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except Exception:  # pragma: no cover - no /proc, exotic builds
+        return False
+
+
+def gomp_copies() -> int:
+    """How many distinct libgomp files this process maps (1 where the kernel shares torch's OpenMP runtime)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return len({line.split()[-1] for line in f if "libgomp" in line})
+    except Exception:  # pragma: no cover
+        return 0
+
+
 def _build() -> ctypes.CDLL:
+    """Compile (once per source and flags, cached) and load the kernel: with -fopenmp where torch runs OpenMP, and
+    without it if that build fails (POSIX threads then)."""
+    if _torch_openmp():
+        try:
+            return _build_with(_FLAGS + ["-fopenmp"])
+        except Exception as e:
+            logger.info("hf_csv: the OpenMP build of the native kernel failed (%s); POSIX threads serve", e)
+    return _build_with(_FLAGS)
+
+
+def _build_with(flags: list) -> ctypes.CDLL:
     src = _SRC.read_bytes()
     cc = os.environ.get("CC") or "cc"
-    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"screen_avx2-{key}.so"
     if not out.is_file():
         if shutil.which(cc) is None:
@@ -81,7 +113,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
             os.replace(tmp, out)  # atomic: concurrent builders each write their own file
@@ -98,6 +130,10 @@ def _build() -> ctypes.CDLL:
     lib.hf_csv_min_i8.restype = i32
     lib.hf_csv_row_terms.argtypes = [p, p, p, i64, i64, p, p, p, i32]
     lib.hf_csv_row_terms.restype = i32
+    lib.hf_csv_screen_bounds.argtypes = [p, p, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p, p, p, p, i32, i64, i32]
+    lib.hf_csv_screen_bounds.restype = i32
+    lib.hf_csv_openmp.argtypes = []
+    lib.hf_csv_openmp.restype = i32
     return lib
 
 
@@ -127,6 +163,12 @@ def _load() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """True when the native kernel is built and loaded (builds it on the first call in a process)."""
     return _load() is not None
+
+
+def uses_openmp() -> bool:
+    """True when the kernel's threads come from the process's OpenMP runtime (torch's), not threads of its own."""
+    lib = _load()
+    return lib is not None and bool(lib.hf_csv_openmp())
 
 
 def why_unavailable() -> Optional[str]:
@@ -187,6 +229,73 @@ def screen_i8(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.T
     return out
 
 
+
+def block8(w: torch.Tensor) -> torch.Tensor:
+    """float32 [V, k] -> [ceil(V / 8), k, 8]: each block of 8 rows column by column (rows padded with zeros), the
+    layout in which :func:`screen_bounds` reads the outlier columns (8 rows per FMA)."""
+    V, k = w.shape
+    pad = torch.zeros((V + 7) // 8 * 8, k, dtype=torch.float32)
+    pad[:V] = w
+    return pad.view(pad.shape[0] // 8, 8, k).transpose(1, 2).contiguous()
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def screen_bounds(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.Tensor, interleaved: bool,
+                  wJ: torch.Tensor, hJ: torch.Tensor, bias: Optional[torch.Tensor], terms: list,
+                  coef: torch.Tensor, threads: Optional[int] = None,
+                  chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The screen and its upper bounds in one pass over the codes: (est, upper, top), float32 [N, V] twice and
+    int64 [N] (the first index of each row's largest ``est``).
+
+    est[r, i] = fl(fl(fl(Σ_j q_ij·A_rj)·scale_i)·cr_r) + Σ_j wJ_ij·hJ_rj (float32, any order) + bias_i;
+    upper[r, i] >= est[r, i] + Σ_t coef[r, t]·terms[t][i] (+ coef[r, 3]·|bias_i|) in real arithmetic (float64, then
+    rounded up to float32: csrc/screen_avx2.c, ``epilogue``). ``terms``: two or three float32 [V] vectors (a
+    missing third is 0); ``coef``: float64 [N, 4]; ``wJ`` the outlier columns in :func:`block8`'s layout, ``hJ``
+    float32 [N, k] (k may be 0). Code ranges as for :func:`screen_i8`.
+    """
+    lib = _lib_or_raise()
+    V, d = q.shape
+    N = A.shape[0]
+    k = hJ.shape[1]
+    if d > MAX_D:
+        raise ValueError(f"hidden size {d} > {MAX_D}: int32 partial sums could overflow")
+    if not 2 <= len(terms) <= 3:
+        raise ValueError("screen_bounds takes two or three per-row terms")
+    checks = [(q, torch.int8, (V, d)), (A, torch.int8, (N, d)), (scale, torch.float32, (V,)),
+              (cr, torch.float32, (N,)), (coef, torch.float64, (N, 4))]
+    checks += [(t, torch.float32, (V,)) for t in terms]
+    if k:
+        checks += [(wJ, torch.float32, ((V + 7) // 8, k, 8)), (hJ, torch.float32, (N, k))]
+    if bias is not None:
+        checks.append((bias, torch.float32, (V,)))
+    for t, dt, shape in checks:
+        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"screen_bounds: expected a contiguous CPU {dt} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    chunk = max(8, (int(chunk) + 7) & ~7)  # the epilogue reads W_J in blocks of 8 rows
+    nchunks = (V + chunk - 1) // chunk
+    est = torch.empty(N, V, dtype=torch.float32)
+    upper = torch.empty(N, V, dtype=torch.float32)
+    best = torch.empty(nchunks, N, dtype=torch.float32)
+    arg = torch.empty(nchunks, N, dtype=torch.int64)
+    n = torch.get_num_threads() if threads is None else int(threads)
+    if threads is None and V * d * N < _SMALL:
+        n = 1
+    t2 = terms[2] if len(terms) == 3 else None
+    lib.hf_csv_screen_bounds(q.data_ptr(), scale.data_ptr(), V, d, A.data_ptr(), cr.data_ptr(), N,
+                             _ptr(wJ) if k else None, _ptr(hJ) if k else None, k, _ptr(bias),
+                             terms[0].data_ptr(), terms[1].data_ptr(), _ptr(t2), coef.data_ptr(),
+                             est.data_ptr(), upper.data_ptr(), best.data_ptr(), arg.data_ptr(), max(1, n), chunk,
+                             int(bool(interleaved)))
+    # the first chunk holding the largest value (argmax takes the first maximum): rows in increasing order
+    c = best.argmax(0)
+    top = arg.gather(0, c[None]).view(N)
+    if bool((top < 0).any()):  # a row whose every estimate is NaN: any seed is sound; take torch's choice
+        top = torch.where(top < 0, est.argmax(1), top)
+    return est, upper, top
 
 # Each float64 sum of n <= MAX_D (< 133,000) nonnegative terms, every term within 3·2^-53 of its real value,
 # errs by at most (n + 3)·2^-53 < 1.5e-11 relatively; the square root and the products below add a few 2^-53 more

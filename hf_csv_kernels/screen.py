@@ -23,7 +23,7 @@ from . import native as _native
 from .quantize import Int8Rows, gamma, round_up_f32, unit_roundoff
 
 __all__ = ["ScreenState", "Outliers", "make_outliers", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
-           "weight_only_radius"]
+           "weight_only_radius", "screen_bounds_cpu"]
 
 # fbgemm's dynamic linear quantizes activations to 7 bits with reduce_range=True; that
 # keeps the int16 pair sums of its AVX2 kernel from saturating, which the bound relies on.
@@ -42,6 +42,8 @@ class Outliers:
     w: torch.Tensor
     # float32 [V], >= ||W_i − Ŵ_i|| over the columns *not* in cols; set only with exact outlier columns
     err_rest: Optional[torch.Tensor] = None
+    # ``w`` in 8-row blocks for the native kernel's fused pass (hf_csv_kernels.native.block8), on CPU
+    w8: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -184,8 +186,10 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
         # one gather of the k columns (index_select: about half the time of W[:, J] on Gemma-3's head)
         w_out = weight.index_select(1, outlier_cols).to(torch.float32).contiguous()  # fp32/bf16/fp16 -> fp32 is exact
-        return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device))
-    return Outliers(outlier_cols, (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous())
+        return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device),
+                        _native.block8(w_out) if w_out.device.type == "cpu" else None)
+    w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
+    return Outliers(outlier_cols, w_out, None, _native.block8(w_out) if w_out.device.type == "cpu" else None)
 
 
 def _use_native(rows: Int8Rows) -> bool:
@@ -288,6 +292,14 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     return state
 
 
+def _norm_up(H: torch.Tensor) -> torch.Tensor:
+    """||h_r||₂ per row [N, 1], float32, never below the real norm: taken in float64 (a sum of d squares errs by
+    at most γ_d in float64, far below 10⁻¹⁰ for any hidden size), raised by 10⁻¹⁰, rounded up. A float32 norm
+    could fall short of the real one by up to γ_d relatively, more than the (1 + 4u) the radius allows for the
+    float32 products that follow."""
+    return round_up_f32(H.double().norm(dim=1, keepdim=True) * (1 + 1e-10))
+
+
 def weight_only_radius(rows: Int8Rows, H: torch.Tensor) -> torch.Tensor:
     """The error radius of a weight-only int8 screen on fp32 activations ``H`` [N, d] (docs/certificates.md §1.1).
 
@@ -296,7 +308,7 @@ def weight_only_radius(rows: Int8Rows, H: torch.Tensor) -> torch.Tensor:
     :class:`hf_csv.static.StaticTopK`).
     """
     d = rows.q.shape[1]
-    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * unit_roundoff())
+    hn2 = _norm_up(H) * (1 + 4 * unit_roundoff())
     hinf = H.abs().amax(dim=1, keepdim=True)
     return rows.err_l2 * hn2 + rows.l1 * (gamma(d + 2) * hinf)
 
@@ -383,15 +395,69 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     hinf = H.abs().amax(dim=1, keepdim=True)
     coef = act + (64 * u + gamma(J.numel() + 2)) * hinf
     if out.err_rest is not None:
-        hn2 = h_rest.norm(dim=1, keepdim=True) * (1 + 4 * u)
+        hn2 = _norm_up(h_rest) * (1 + 4 * u)
         rad = torch.mul(out.err_rest, hn2).addcmul_(rows.l1, coef)
         # + 4u·||W_i||_1·||h_r||_∞: the caller's rounding margin for est + rad (hf_csv.bounds) assumes
         # |est| <= 2·||Ŵ_i||_1·||h_r||_∞, and the exact outlier part is bounded by ||W_i||_1, not ||Ŵ_i||_1
         return est, rad.addcmul_(rows.abs_l1, (gamma(J.numel() + 2) + 4 * u) * hinf)
-    hn2 = H.norm(dim=1, keepdim=True) * (1 + 4 * u)
+    hn2 = _norm_up(H) * (1 + 4 * u)
     rad = torch.mul(rows.err_l2, hn2).addcmul_(rows.l1, coef)
     return est, rad
 
+
+@torch.no_grad()
+def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.Tensor] = None
+                      ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(est, upper, top) in one pass of hf_csv's native kernel, or None where that kernel does not serve this call
+    (not built, or several rows once fbgemm's pack exists): then :func:`screen_int8_cpu` and the caller's margins.
+
+    The bound is :func:`screen_int8_cpu`'s radius plus the caller's rounding margins (docs/certificates.md §1.1,
+    Theorem 1 with Lemma 1′ and 2′): upper_i = est_i + e_i^R‖h_R‖₂(1+4u) + l_i(m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} +
+    4u)‖h‖_∞) [+ (γ_{k+2} + 4u)·a_i‖h‖_∞ with exact outlier columns] [+ 2u|b_i| with a bias], with the norm taken
+    in float64 and raised by 10⁻¹⁰, the sum evaluated in float64 and rounded up to float32 in the kernel. ``est``
+    includes the outlier columns and the bias; ``top`` [N] is the first index of each row's largest ``est``.
+    Weight-only bounds hold in real arithmetic for float32 ``H`` rows; the caller handles non-finite rows.
+    """
+    lay = state.native  # read once: the background thread swaps in the interleaved copy
+    if lay is None:
+        return None
+    if H.shape[0] > 1:
+        if state.packed is None:
+            _start_pack(state)  # several rows: fbgemm's GEMM is faster there, once packed (the kernel serves meanwhile)
+        else:
+            return None
+    rows = state.rows
+    H = H.float().contiguous()
+    out = state.outliers  # read once: a recalibration may swap in another set meanwhile
+    J = out.cols
+    k = J.numel()
+    h_rest = H.clone()
+    if k:
+        h_rest[:, J] = 0
+    m = h_rest.abs().amax(dim=1, keepdim=True)
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    A = (h_rest / m).mul_(_native_levels).round_().to(torch.int8)  # |fl(h_j/m)| <= 1: see screen_int8_cpu
+    u = unit_roundoff()
+    g = gamma(k + 2)
+    hinf = H.abs().amax(dim=1).double()
+    md = m.view(-1).double()
+    coef = torch.zeros(H.shape[0], 4, dtype=torch.float64)
+    # l_i's coefficient: the activation step (Lemma 2′), Lemma 3's float steps, the provider's 4u for |est|
+    coef[:, 1] = md * (0.5 * (1 + _ACT_SLACK) / _native_levels) + (64 * u + g + 4 * u) * hinf
+    coef[:, 3] = 2 * u
+    if out.err_rest is not None:
+        terms = [out.err_rest, rows.l1, rows.abs_l1]
+        coef[:, 0] = h_rest.double().norm(dim=1) * ((1 + 1e-10) * (1 + 4 * u))
+        coef[:, 2] = (g + 4 * u) * hinf
+    else:
+        terms = [rows.err_l2, rows.l1]
+        coef[:, 0] = H.double().norm(dim=1) * ((1 + 1e-10) * (1 + 4 * u))
+    hJ = H[:, J].contiguous() if k else H[:, :0]
+    b = None if bias is None else bias.float().contiguous()
+    if out.w8 is None:
+        return None
+    return _native.screen_bounds(lay[0], rows.scale, A, (m / _native_levels).view(-1).contiguous(), lay[1],
+                                 out.w8, hJ, b, terms, coef)
 
 # the native kernel's activation levels: 127·X rounded, X in [−1, 1]
 _native_levels = 127.0

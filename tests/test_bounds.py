@@ -81,6 +81,48 @@ def test_screen_kernels_two_sided(head):
                     assert ((ex[r] - e1[0].double()).abs() <= r1[0].double()).all(), fn.__name__
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_screen_bounds_two_sided(with_bias):
+    """hf_csv's fused pass (est, upper, top): est − (upper − est) <= <W_i, h> + b_i <= upper on every token, for
+    one row and several, with Ŵ's and with exact outlier columns, on the off-grid head whose massive activations
+    meet the largest quantization error; top is the first largest est (torch's argmax); and the bound is the
+    unfused one's (same formula), not a looser one."""
+    from hf_csv_kernels import native
+    from hf_csv_kernels.screen import screen_bounds_cpu
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    W, H, J = _off_grid_head(V=203, d=70)
+    H = torch.cat([H, torch.randn(2, W.shape[1])])
+    bias = torch.randn(W.shape[0]) if with_bias else None
+    ex = exact64(W, bias, H)
+    rows = quantize_rows_int8(W)
+    for state in (prepare_screen(rows, J), prepare_screen(rows, J, weight=W)):
+        for Hs, exs in [(H[r:r + 1], ex[r:r + 1]) for r in range(H.shape[0])] + [(H, ex)]:
+            res = screen_bounds_cpu(state, Hs, bias)
+            assert res is not None
+            est, up, top = res
+            rad = up.double() - est.double()
+            assert (up.double() >= exs).all() and (est.double() - rad <= exs).all()
+            assert torch.equal(top, est.argmax(1))
+            e0, r0 = screen_int8_cpu(state, Hs)  # the unfused radius, before the provider's margins
+            assert (rad <= r0.double() * 1.01 + 1e-3 * Hs.abs().amax(1, keepdim=True).double() * rows.l1.double()).all()
+            assert float(rad.median()) > 0.5 * float(r0.median())  # and the same order: not a different bound
+
+
+def test_fused_screen_bounds_ties_pick_the_first():
+    from hf_csv_kernels import native
+    from hf_csv_kernels.screen import screen_bounds_cpu
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    W = torch.randn(5000, 64)
+    W[4321] = W[17]  # two identical rows: the same estimate, the first wins (argmax's rule), across chunks
+    W[17] *= 1.0
+    h = W[17:18] * 3
+    state = prepare_screen(quantize_rows_int8(W), None)
+    est, up, top = screen_bounds_cpu(state, h)
+    assert int(top) == int(est.argmax(1)) == 17 and est[0, 17] == est[0, 4321]
+
+
 def _off_grid_head(V=64, d=48, k=4, seed=0):
     """Rows whose outlier-column weights sit halfway between int8 levels (the largest quantization error
     there), the other columns on the grid, and hidden states whose outlier columns are massive."""

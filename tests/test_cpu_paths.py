@@ -444,3 +444,44 @@ def test_speed_guard_counts_the_processor_step(monkeypatch):
         assert st["full_head_calls"] >= 12 and st["speed_guard"]["certified_ms"] >= 20, st
     finally:
         hf_csv.disable(m)
+
+
+def test_native_fused_bounds_round_up_and_match_the_plain_kernel():
+    """The fused pass: est is the plain kernel's value plus the outlier dot and the bias (within the float
+    rounding the proof allows), top is the first largest est, and upper is never below the real sum
+    est + Σ coef·terms (+ coef₃·|b|), checked in rational arithmetic on every lane (the vector body and the
+    scalar tail), with and without outlier columns, bias and third term, for 1 and 3 rows and 1 and 3 threads.
+    Rounded to nearest without the final step up, about half of the lanes would fall short."""
+    from fractions import Fraction
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(5)
+    for V, d, k, with_bias, three in [(103, 70, 4, True, True), (1001, 64, 0, False, False), (29, 33, 9, False, True)]:
+        q = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
+        s = torch.rand(V, generator=g) * 1e-2
+        wJ = torch.randn(V, k, generator=g)
+        bias = torch.randn(V, generator=g) * 10 if with_bias else None
+        terms = [torch.rand(V, generator=g) * 3 for _ in range(3 if three else 2)]
+        for N in (1, 3):
+            A = torch.randint(-127, 128, (N, d), generator=g, dtype=torch.int8)
+            cr = torch.rand(N, generator=g)
+            hJ = torch.randn(N, k, generator=g)
+            coef = torch.rand(N, 4, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1e-3, 1e-7, 1e-7],
+                                                                                       dtype=torch.float64)
+            plain = native.screen_i8(q, s, A, cr, False, threads=1)
+            for th in (1, 3):
+                est, up, top = native.screen_bounds(q, s, A, cr, False, native.block8(wJ), hJ, bias, terms, coef,
+                                                    threads=th, chunk=16)
+                ref = plain.double() + hJ.double() @ wJ.double().T + (0 if bias is None else bias.double())
+                tol = 1e-5 * (plain.double().abs() + hJ.double().abs() @ wJ.double().abs().T + 1)
+                assert ((est.double() - ref).abs() <= tol).all()
+                assert torch.equal(top, est.argmax(1))
+                for r in range(N):
+                    for i in range(V):
+                        real = Fraction(float(est[r, i])) + sum(Fraction(float(coef[r, t])) * Fraction(float(terms[t][i]))
+                                                                 for t in range(len(terms)))
+                        if bias is not None:
+                            real += Fraction(float(coef[r, 3])) * abs(Fraction(float(bias[i])))
+                        assert Fraction(float(up[r, i])) >= real, (V, r, i)
+                assert float((up.double() - est.double()).min()) >= 0

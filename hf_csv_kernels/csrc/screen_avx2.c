@@ -22,7 +22,30 @@
 #include <stdlib.h>
 
 /* fn(arg) on the calling thread and threads - 1 more (each takes work items from an atomic counter in arg);
-   returns how many ran. A thread that cannot be created just leaves its share to the others. */
+   returns how many ran. Built with -fopenmp (native.py does so where torch's own parallel backend is OpenMP),
+   the team comes from the process's OpenMP runtime, which is torch's: loaded after torch, this library's
+   libgomp.so.1 resolves to the copy torch already mapped. Its workers are the ones that just ran torch's last
+   parallel op and still spin-wait for more (GOMP's default wait policy); threads of our own would compete with
+   them for the cores during that spin (measured: Gemma-3's screen 11.4 ms instead of 8.9 ms on 2 cores).
+   Otherwise POSIX threads; a thread that cannot be created just leaves its share to the others. */
+#ifdef _OPENMP
+#include <omp.h>
+static int run_threads(void *(*fn)(void *), void *arg, int threads) {
+    int n = 1;
+    if (threads > 64) threads = 64;
+    if (threads <= 1) {
+        fn(arg);
+        return 1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        fn(arg);
+#pragma omp master
+        n = omp_get_num_threads();
+    }
+    return n;
+}
+#else
 static int run_threads(void *(*fn)(void *), void *arg, int threads) {
     pthread_t th[64];
     int n = 0;
@@ -33,11 +56,111 @@ static int run_threads(void *(*fn)(void *), void *arg, int threads) {
     for (int t = 0; t < n; t++) pthread_join(th[t], 0);
     return n + 1;
 }
+#endif
+
+/* 1 when built with OpenMP (native.py reports which runtime serves the threads). */
+int hf_csv_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 typedef struct {
     const int8_t *q; const int8_t *a; const float *scale; const float *cr; float *out;
     int64_t V, d, N, chunk; int il; atomic_long next;
+    /* the fused epilogue (hf_csv_screen_bounds; all NULL / 0 for the plain GEMV): */
+    const float *wJ, *hJ; int64_t k;  /* outlier columns: W_J in 8-row blocks (see epilogue), h_J [N, k] */
+    const float *bias;                /* [V] or NULL */
+    const float *t0, *t1, *t2;        /* per-row terms of the radius [V] (t2 may be NULL) */
+    const double *coef;               /* [N, 4]: radius = c0 t0 + c1 t1 + c2 t2 + c3 |bias| */
+    float *upper;                     /* [N, V] or NULL */
+    float *best; int64_t *arg;        /* [chunks, N]: each chunk's largest estimate and its first row */
+    int fused;
 } job_t;
+
+static inline void emit(const job_t *J, int64_t r, int64_t i, int32_t dot) {
+    J->out[r * J->V + i] = (float)dot * J->scale[i] * J->cr[r];
+}
+
+/* The next float32 above each lane (+inf stays +inf; -0 and +0 go to the smallest positive subnormal). */
+static inline __m128 next_up4(__m128 f) {
+    __m128i b = _mm_castps_si128(_mm_add_ps(f, _mm_setzero_ps()));  /* -0 + 0 = +0 */
+    const __m128i step = _mm_or_si128(_mm_srai_epi32(b, 31), _mm_set1_epi32(1));  /* -1 if negative, else +1 */
+    const __m128i inf = _mm_cmpeq_epi32(b, _mm_set1_epi32(0x7f800000));
+    return _mm_castsi128_ps(_mm_blendv_epi8(_mm_add_epi32(b, step), b, inf));
+}
+
+/* The fused epilogue over rows [lo, hi) of a chunk (lo a multiple of 8), once est holds the screen's
+   fl(fl(fl(dot) s_i) cr_r) there:
+   * est += the k-column float32 dot over W_J (FMA chain, then one add; any order of the k-term dot is within
+     gamma_{k+2}: docs/certificates.md Lemma 3 / 1'), then + b_i (one add). W_J is read in 8-row blocks
+     (wJ[((i / 8) k + j) 8 + i % 8], the rows padded to a multiple of 8), so 8 rows take k FMAs.
+   * upper >= est + c0 t0_i + c1 t1_i + c2 t2_i + c3 |b_i| (real sum): rad = the four products and three adds of
+     non-negative float64 terms (within 7 2^-53 rad of the real value), x = rad + est (one more rounding, within
+     2^-53 |x|), then x += 2^-47 (|x| + rad), which exceeds both errors (and the float64 roundings of the coefficients, a few 2^-53) together with its own rounding (the
+     addend is at least 8 ulps of x); x is converted to float32 (nearest) and moved one float up, so upper >= x.
+     No product of float32-range operands underflows in float64.
+   * the chunk's largest est and its first row (strict >: the first of equal values). */
+static void epilogue(const job_t *J, int64_t lo, int64_t hi, int64_t cid) {
+    const int64_t V = J->V, k = J->k, n8 = (hi - lo) & ~7LL;
+    for (int64_t r = 0; r < J->N; r++) {
+        float *est = J->out + r * V;
+        if (k) {
+            const float *h = J->hJ + r * k;
+            for (int64_t i = lo; i < lo + n8; i += 8) {
+                const float *w = J->wJ + (i / 8) * k * 8;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < k; j++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * j), _mm256_set1_ps(h[j]), acc);
+                _mm256_storeu_ps(est + i, _mm256_add_ps(_mm256_loadu_ps(est + i), acc));
+            }
+            for (int64_t i = lo + n8; i < hi; i++) {
+                const float *w = J->wJ + (i / 8) * k * 8 + i % 8;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < k; j++) acc = fmaf(w[8 * j], h[j], acc);
+                est[i] = est[i] + acc;
+            }
+        }
+        if (J->bias)
+            for (int64_t i = lo; i < hi; i++) est[i] = est[i] + J->bias[i];
+        if (J->upper) {
+            const double *c = J->coef + 4 * r;
+            float *up = J->upper + r * V;
+            const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(c[2]),
+                          c3 = _mm256_set1_pd(c[3]), eps = _mm256_set1_pd(0x1p-47),
+                          absmask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+            int64_t i = lo;
+            for (; i + 4 <= hi; i += 4) {
+                __m256d rad = _mm256_mul_pd(c0, _mm256_cvtps_pd(_mm_loadu_ps(J->t0 + i)));
+                rad = _mm256_add_pd(rad, _mm256_mul_pd(c1, _mm256_cvtps_pd(_mm_loadu_ps(J->t1 + i))));
+                if (J->t2) rad = _mm256_add_pd(rad, _mm256_mul_pd(c2, _mm256_cvtps_pd(_mm_loadu_ps(J->t2 + i))));
+                if (J->bias)
+                    rad = _mm256_add_pd(rad, _mm256_mul_pd(c3, _mm256_and_pd(absmask, _mm256_cvtps_pd(_mm_loadu_ps(J->bias + i)))));
+                __m256d x = _mm256_add_pd(rad, _mm256_cvtps_pd(_mm_loadu_ps(est + i)));
+                x = _mm256_add_pd(x, _mm256_mul_pd(eps, _mm256_add_pd(_mm256_and_pd(absmask, x), rad)));
+                _mm_storeu_ps(up + i, next_up4(_mm256_cvtpd_ps(x)));
+            }
+            for (; i < hi; i++) {
+                double rad = c[0] * (double)J->t0[i] + c[1] * (double)J->t1[i];
+                if (J->t2) rad += c[2] * (double)J->t2[i];
+                if (J->bias) rad += c[3] * fabs((double)J->bias[i]);
+                double x = rad + (double)est[i];
+                x += 0x1p-47 * (fabs(x) + rad);
+                up[i] = _mm_cvtss_f32(next_up4(_mm_set_ss((float)x)));
+            }
+        }
+        if (J->best) {
+            float b = -INFINITY;
+            int64_t arg = -1;
+            for (int64_t i = lo; i < hi; i++)
+                if (est[i] > b) { b = est[i]; arg = i; }
+            J->best[cid * J->N + r] = b;
+            J->arg[cid * J->N + r] = arg;
+        }
+    }
+}
 
 static inline int32_t hsum(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -50,7 +173,7 @@ static inline int32_t hsum(__m256i v) {
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), ones))
 
 static void rows(const job_t *J, int64_t lo, int64_t hi) {
-    const int64_t d = J->d, d32 = d & ~31LL, N = J->N, V = J->V;
+    const int64_t d = J->d, d32 = d & ~31LL, N = J->N;
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t i = lo;
     for (; i + 4 <= hi; i += 4) {
@@ -84,10 +207,7 @@ static void rows(const job_t *J, int64_t lo, int64_t hi) {
             for (int64_t j = d32; j < d; j++) {
                 t0 += u[j] * a[j]; t1 += u[e + j] * a[j]; t2 += u[2 * e + j] * a[j]; t3 += u[3 * e + j] * a[j];
             }
-            float *o = J->out + r * V + i;
-            const float c = J->cr[r];
-            o[0] = (float)t0 * J->scale[i] * c; o[1] = (float)t1 * J->scale[i + 1] * c;
-            o[2] = (float)t2 * J->scale[i + 2] * c; o[3] = (float)t3 * J->scale[i + 3] * c;
+            emit(J, r, i, t0); emit(J, r, i + 1, t1); emit(J, r, i + 2, t2); emit(J, r, i + 3, t3);
         }
     }
     for (; i < hi; i++) { /* the last V % 4 rows: row-major in both layouts */
@@ -96,7 +216,7 @@ static void rows(const job_t *J, int64_t lo, int64_t hi) {
             const int8_t *a = J->a + r * d;
             int32_t t = 0;
             for (int64_t j = 0; j < d; j++) t += w[j] * a[j];
-            J->out[r * V + i] = (float)t * J->scale[i] * J->cr[r];
+            emit(J, r, i, t);
         }
     }
 }
@@ -106,7 +226,9 @@ static void *worker(void *p) {
     for (;;) {
         int64_t lo = atomic_fetch_add(&J->next, J->chunk);
         if (lo >= J->V) break;
-        rows(J, lo, lo + J->chunk < J->V ? lo + J->chunk : J->V);
+        const int64_t hi = lo + J->chunk < J->V ? lo + J->chunk : J->V;
+        rows(J, lo, hi);
+        if (J->fused) epilogue(J, lo, hi, lo / J->chunk);
     }
     return 0;
 }
@@ -116,6 +238,21 @@ int hf_csv_screen_i8(const int8_t *q, const float *scale, int64_t V, int64_t d, 
                      const float *cr, int64_t N, float *out, int threads, int64_t chunk, int interleaved) {
     job_t J = {q, a, scale, cr, out, V, d, N, chunk > 0 ? (chunk + 3) & ~3LL : 2048, interleaved};
     atomic_init(&J.next, 0);
+    return run_threads(worker, &J, threads);
+}
+
+/* The screen with its bounds in one pass (hf_csv_kernels.screen.screen_bounds_cpu): est as above plus the
+   outlier columns and the bias, upper = est + the radius, and each chunk's largest estimate with its first row
+   (see epilogue; best/arg: [ceil(V / chunk), N], chunk a multiple of 8, checked by the caller). */
+int hf_csv_screen_bounds(const int8_t *q, const float *scale, int64_t V, int64_t d, const int8_t *a,
+                         const float *cr, int64_t N, const float *wJ, const float *hJ, int64_t k,
+                         const float *bias, const float *t0, const float *t1, const float *t2,
+                         const double *coef, float *est, float *upper, float *best, int64_t *arg,
+                         int threads, int64_t chunk, int interleaved) {
+    job_t J = {q, a, scale, cr, est, V, d, N, chunk, interleaved};
+    atomic_init(&J.next, 0);
+    J.wJ = wJ; J.hJ = hJ; J.k = k; J.bias = bias; J.t0 = t0; J.t1 = t1; J.t2 = t2; J.coef = coef;
+    J.upper = upper; J.best = best; J.arg = arg; J.fused = 1;
     return run_threads(worker, &J, threads);
 }
 
