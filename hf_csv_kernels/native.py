@@ -130,7 +130,7 @@ def _build_with(flags: list) -> ctypes.CDLL:
     lib.hf_csv_min_i8.restype = i32
     lib.hf_csv_row_terms.argtypes = [p, p, p, i64, i64, p, p, p, i32]
     lib.hf_csv_row_terms.restype = i32
-    lib.hf_csv_screen_bounds.argtypes = [p, p, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p, p, p, p, i32, i64, i32]
+    lib.hf_csv_screen_bounds.argtypes = [p, p, i64, i64, p, i64, p, i64, p, i32, p, p, p, p, p, p, p, p, i32, i64, i32]
     lib.hf_csv_screen_bounds.restype = i32
     lib.hf_csv_openmp.argtypes = []
     lib.hf_csv_openmp.restype = i32
@@ -243,59 +243,69 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def screen_bounds(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.Tensor, interleaved: bool,
-                  wJ: torch.Tensor, hJ: torch.Tensor, bias: Optional[torch.Tensor], terms: list,
-                  coef: torch.Tensor, threads: Optional[int] = None,
-                  chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The screen and its upper bounds in one pass over the codes: (est, upper, top), float32 [N, V] twice and
-    int64 [N] (the first index of each row's largest ``est``).
+def screen_bounds(q: torch.Tensor, scale: torch.Tensor, interleaved: bool, H: torch.Tensor, cols: torch.Tensor,
+                  wJ: torch.Tensor, rest_norm: bool, K: tuple, terms: list, bias: Optional[torch.Tensor] = None,
+                  threads: Optional[int] = None, chunk: int = 2048,
+                  checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The screen and its upper bounds from the hidden states in one call: (est, upper, top), float32 [N, V] twice
+    and int64 [N] (the first index of each row's largest ``est``; -1 where every estimate of a row is NaN).
 
-    est[r, i] = fl(fl(fl(Σ_j q_ij·A_rj)·scale_i)·cr_r) + Σ_j wJ_ij·hJ_rj (float32, any order) + bias_i;
-    upper[r, i] >= est[r, i] + Σ_t coef[r, t]·terms[t][i] (+ coef[r, 3]·|bias_i|) in real arithmetic (float64, then
-    rounded up to float32: csrc/screen_avx2.c, ``epilogue``). ``terms``: two or three float32 [V] vectors (a
-    missing third is 0); ``coef``: float64 [N, 4]; ``wJ`` the outlier columns in :func:`block8`'s layout, ``hJ``
-    float32 [N, k] (k may be 0). Code ranges as for :func:`screen_i8`.
+    Per row (csrc/screen_avx2.c, ``hf_csv_screen_bounds``): the columns ``cols`` of h are split off (h_R: the
+    rest), X = h_R/m with m = ||h_R||_∞, a = round(127·X) in int8 (Lemma 2′), then
+    est_i = fl(fl(fl(Σ_j q_ij·a_j)·scale_i)·fl(m/127)) + Σ_{j∈cols} wJ_ij·h_j (float32) + bias_i, and
+    upper_i >= est_i + Σ_t c_t·terms[t]_i + c_3·|bias_i| in real arithmetic, with c = (‖h_R‖₂·K0 (‖h‖₂ without
+    ``rest_norm``; the norm in float64, raised by 10⁻¹⁰), m·K1 + ‖h‖_∞·K2, ‖h‖_∞·K3, K4). ``terms``: two or three
+    float32 [V] vectors; ``wJ``: the outlier columns in :func:`block8`'s layout. ``checked``: the caller has
+    validated everything but ``H`` before (the screen's state does so once). Code ranges as for :func:`screen_i8`.
     """
     lib = _lib_or_raise()
     V, d = q.shape
-    N = A.shape[0]
-    k = hJ.shape[1]
+    k = cols.numel()
+    if H.dtype != torch.float32 or H.dim() != 2 or H.shape[1] != d or not H.is_contiguous() or H.device.type != "cpu":
+        raise ValueError(f"screen_bounds: H must be a contiguous CPU float32 [N, {d}] tensor")
+    if not checked:
+        check_bounds_inputs(q, scale, cols, wJ, terms, bias)
+    N = H.shape[0]
+    chunk = max(8, (int(chunk) + 7) & ~7)  # the epilogue reads W_J in blocks of 8 rows
+    est = torch.empty(N, V, dtype=torch.float32)
+    upper = torch.empty(N, V, dtype=torch.float32)
+    top = torch.empty(N, dtype=torch.int64)
+    n = torch.get_num_threads() if threads is None else int(threads)
+    if threads is None and V * d * N < _SMALL:
+        n = 1
+    Kd = (ctypes.c_double * 5)(*[float(x) for x in K])
+    ran = lib.hf_csv_screen_bounds(q.data_ptr(), scale.data_ptr(), V, d, H.data_ptr(), N, cols.data_ptr() if k else None,
+                                   k, wJ.data_ptr() if k else None, int(bool(rest_norm)), ctypes.addressof(Kd), _ptr(bias),
+                                   terms[0].data_ptr(), terms[1].data_ptr(), _ptr(terms[2] if len(terms) == 3 else None),
+                                   est.data_ptr(), upper.data_ptr(), top.data_ptr(), max(1, n), chunk,
+                                   int(bool(interleaved)))
+    if ran < 0:
+        raise MemoryError("screen_bounds: no memory for the kernel's workspace")
+    return est, upper, top
+
+
+def check_bounds_inputs(q: torch.Tensor, scale: torch.Tensor, cols: torch.Tensor, wJ: torch.Tensor, terms: list,
+                        bias: Optional[torch.Tensor]) -> None:
+    """What :func:`screen_bounds` needs of everything but the hidden states (raises ValueError)."""
+    V, d = q.shape
+    k = cols.numel()
     if d > MAX_D:
         raise ValueError(f"hidden size {d} > {MAX_D}: int32 partial sums could overflow")
     if not 2 <= len(terms) <= 3:
         raise ValueError("screen_bounds takes two or three per-row terms")
-    checks = [(q, torch.int8, (V, d)), (A, torch.int8, (N, d)), (scale, torch.float32, (V,)),
-              (cr, torch.float32, (N,)), (coef, torch.float64, (N, 4))]
+    checks = [(q, torch.int8, (V, d)), (scale, torch.float32, (V,)), (cols, torch.int64, (k,))]
     checks += [(t, torch.float32, (V,)) for t in terms]
     if k:
-        checks += [(wJ, torch.float32, ((V + 7) // 8, k, 8)), (hJ, torch.float32, (N, k))]
+        checks.append((wJ, torch.float32, ((V + 7) // 8, k, 8)))
     if bias is not None:
         checks.append((bias, torch.float32, (V,)))
     for t, dt, shape in checks:
         if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"screen_bounds: expected a contiguous CPU {dt} tensor of shape {shape}, got "
                              f"{t.dtype} {tuple(t.shape)}")
-    chunk = max(8, (int(chunk) + 7) & ~7)  # the epilogue reads W_J in blocks of 8 rows
-    nchunks = (V + chunk - 1) // chunk
-    est = torch.empty(N, V, dtype=torch.float32)
-    upper = torch.empty(N, V, dtype=torch.float32)
-    best = torch.empty(nchunks, N, dtype=torch.float32)
-    arg = torch.empty(nchunks, N, dtype=torch.int64)
-    n = torch.get_num_threads() if threads is None else int(threads)
-    if threads is None and V * d * N < _SMALL:
-        n = 1
-    t2 = terms[2] if len(terms) == 3 else None
-    lib.hf_csv_screen_bounds(q.data_ptr(), scale.data_ptr(), V, d, A.data_ptr(), cr.data_ptr(), N,
-                             _ptr(wJ) if k else None, _ptr(hJ) if k else None, k, _ptr(bias),
-                             terms[0].data_ptr(), terms[1].data_ptr(), _ptr(t2), coef.data_ptr(),
-                             est.data_ptr(), upper.data_ptr(), best.data_ptr(), arg.data_ptr(), max(1, n), chunk,
-                             int(bool(interleaved)))
-    # the first chunk holding the largest value (argmax takes the first maximum): rows in increasing order
-    c = best.argmax(0)
-    top = arg.gather(0, c[None]).view(N)
-    if bool((top < 0).any()):  # a row whose every estimate is NaN: any seed is sound; take torch's choice
-        top = torch.where(top < 0, est.argmax(1), top)
-    return est, upper, top
+    if k and (int(cols.min()) < 0 or int(cols.max()) >= d or cols.unique().numel() != k):
+        raise ValueError(f"screen_bounds: outlier columns must be distinct and in [0, {d})")
+
 
 # Each float64 sum of n <= MAX_D (< 133,000) nonnegative terms, every term within 3·2^-53 of its real value,
 # errs by at most (n + 3)·2^-53 < 1.5e-11 relatively; the square root and the products below add a few 2^-53 more

@@ -181,6 +181,8 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
     outlier_cols = outlier_cols.to(device=rows.q.device, dtype=torch.long)
     if outlier_cols.numel() and (outlier_cols.min() < 0 or outlier_cols.max() >= d):
         raise ValueError(f"outlier columns must lie in [0, {d})")
+    if outlier_cols.unique().numel() != outlier_cols.numel():  # a repeated column would count twice in est
+        raise ValueError("outlier columns must be distinct")
     if weight is not None and outlier_cols.numel():
         if tuple(weight.shape) != (V, d):
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
@@ -427,37 +429,26 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
         else:
             return None
     rows = state.rows
-    H = H.float().contiguous()
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
-    J = out.cols
-    k = J.numel()
-    h_rest = H.clone()
-    if k:
-        h_rest[:, J] = 0
-    m = h_rest.abs().amax(dim=1, keepdim=True)
-    m = torch.where(m > 0, m, torch.ones_like(m))
-    A = (h_rest / m).mul_(_native_levels).round_().to(torch.int8)  # |fl(h_j/m)| <= 1: see screen_int8_cpu
-    u = unit_roundoff()
-    g = gamma(k + 2)
-    hinf = H.abs().amax(dim=1).double()
-    md = m.view(-1).double()
-    coef = torch.zeros(H.shape[0], 4, dtype=torch.float64)
-    # l_i's coefficient: the activation step (Lemma 2′), Lemma 3's float steps, the provider's 4u for |est|
-    coef[:, 1] = md * (0.5 * (1 + _ACT_SLACK) / _native_levels) + (64 * u + g + 4 * u) * hinf
-    coef[:, 3] = 2 * u
-    if out.err_rest is not None:
-        terms = [out.err_rest, rows.l1, rows.abs_l1]
-        coef[:, 0] = h_rest.double().norm(dim=1) * ((1 + 1e-10) * (1 + 4 * u))
-        coef[:, 2] = (g + 4 * u) * hinf
-    else:
-        terms = [rows.err_l2, rows.l1]
-        coef[:, 0] = H.double().norm(dim=1) * ((1 + 1e-10) * (1 + 4 * u))
-    hJ = H[:, J].contiguous() if k else H[:, :0]
-    b = None if bias is None else bias.float().contiguous()
     if out.w8 is None:
         return None
-    return _native.screen_bounds(lay[0], rows.scale, A, (m / _native_levels).view(-1).contiguous(), lay[1],
-                                 out.w8, hJ, b, terms, coef)
+    k = out.cols.numel()
+    u = unit_roundoff()
+    g = gamma(k + 2)
+    exact = out.err_rest is not None
+    terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
+    b = None if bias is None else bias.float().contiguous()
+    key = ("bounds_checked", id(out), None if b is None else b.data_ptr())
+    if key not in state._cache:  # once per outlier set and bias: the state's tensors do not change
+        _native.check_bounds_inputs(lay[0], rows.scale, out.cols, out.w8, terms, b)
+        state._cache[key] = out  # holds the set, so its id is not reused while the entry lives
+    # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} + 4u)·‖h‖_∞
+    # (Lemma 2′'s step, Lemma 3's float steps, the provider's 4u for |est|); a_i's (γ_{k+2} + 4u)·‖h‖_∞ with exact
+    # outlier columns; 2u for |b_i|
+    K = (1 + 4 * u, 0.5 * (1 + _ACT_SLACK) / _native_levels, 64 * u + g + 4 * u, (g + 4 * u) if exact else 0.0, 2 * u)
+    return _native.screen_bounds(lay[0], rows.scale, lay[1], H.float().contiguous(), out.cols, out.w8, exact, K,
+                                 terms, b, checked=True)
+
 
 # the native kernel's activation levels: 127·X rounded, X in [−1, 1]
 _native_levels = 127.0

@@ -1,4 +1,5 @@
 """The CPU speed paths change speed only: thread tuning, chunked fbgemm packs, the chunked quantizer."""
+import math
 import threading
 
 import pytest
@@ -447,41 +448,48 @@ def test_speed_guard_counts_the_processor_step(monkeypatch):
 
 
 def test_native_fused_bounds_round_up_and_match_the_plain_kernel():
-    """The fused pass: est is the plain kernel's value plus the outlier dot and the bias (within the float
-    rounding the proof allows), top is the first largest est, and upper is never below the real sum
-    est + Σ coef·terms (+ coef₃·|b|), checked in rational arithmetic on every lane (the vector body and the
-    scalar tail), with and without outlier columns, bias and third term, for 1 and 3 rows and 1 and 3 threads.
-    Rounded to nearest without the final step up, about half of the lanes would fall short."""
+    """The fused call from the hidden states: est is the plain kernel's value on the same int8 activations plus
+    the outlier dot and the bias (within the float rounding the proof allows), top is the first largest est,
+    and upper is never below the real sum est + Σ c_t·terms_t (+ c_3·|b|), checked in rational arithmetic on
+    every lane (vector body and scalar tail), with and without outlier columns, bias and a third term, for 1 and 3
+    rows and 1 and 3 threads. (Rounded to nearest without the final step up, about half the lanes fall short.)"""
     from fractions import Fraction
 
     if not native.available():
         pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
     g = torch.Generator().manual_seed(5)
+    F = lambda x: Fraction(float(x))  # noqa: E731
     for V, d, k, with_bias, three in [(103, 70, 4, True, True), (1001, 64, 0, False, False), (29, 33, 9, False, True)]:
         q = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
         s = torch.rand(V, generator=g) * 1e-2
+        cols = torch.randperm(d, generator=g)[:k].sort().values
         wJ = torch.randn(V, k, generator=g)
         bias = torch.randn(V, generator=g) * 10 if with_bias else None
         terms = [torch.rand(V, generator=g) * 3 for _ in range(3 if three else 2)]
+        K = (1.0 + 1e-6, 0.004, 1e-5, 1e-6, 1e-7)
         for N in (1, 3):
-            A = torch.randint(-127, 128, (N, d), generator=g, dtype=torch.int8)
-            cr = torch.rand(N, generator=g)
-            hJ = torch.randn(N, k, generator=g)
-            coef = torch.rand(N, 4, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1e-3, 1e-7, 1e-7],
-                                                                                       dtype=torch.float64)
-            plain = native.screen_i8(q, s, A, cr, False, threads=1)
+            H = torch.randn(N, d, generator=g)
+            H[:, cols] *= 50  # massive activations on the outlier columns
+            rest = H.clone()
+            rest[:, cols] = 0
+            m = rest.abs().amax(1, keepdim=True)
+            A = (rest / m).mul_(127.0).round_().to(torch.int8)
+            plain = native.screen_i8(q, s, A, (m / 127.0).view(-1).contiguous(), False, threads=1)
             for th in (1, 3):
-                est, up, top = native.screen_bounds(q, s, A, cr, False, native.block8(wJ), hJ, bias, terms, coef,
-                                                    threads=th, chunk=16)
-                ref = plain.double() + hJ.double() @ wJ.double().T + (0 if bias is None else bias.double())
-                tol = 1e-5 * (plain.double().abs() + hJ.double().abs() @ wJ.double().abs().T + 1)
-                assert ((est.double() - ref).abs() <= tol).all()
-                assert torch.equal(top, est.argmax(1))
-                for r in range(N):
-                    for i in range(V):
-                        real = Fraction(float(est[r, i])) + sum(Fraction(float(coef[r, t])) * Fraction(float(terms[t][i]))
-                                                                 for t in range(len(terms)))
-                        if bias is not None:
-                            real += Fraction(float(coef[r, 3])) * abs(Fraction(float(bias[i])))
-                        assert Fraction(float(up[r, i])) >= real, (V, r, i)
-                assert float((up.double() - est.double()).min()) >= 0
+                for rest_norm in (True, False):
+                    est, up, top = native.screen_bounds(q, s, False, H, cols, native.block8(wJ), rest_norm, K, terms,
+                                                        bias, threads=th, chunk=16)
+                    ref = plain.double() + H[:, cols].double() @ wJ.double().T + (0 if bias is None else bias.double())
+                    tol = 1e-5 * (plain.double().abs() + H[:, cols].double().abs() @ wJ.double().abs().T + 1)
+                    assert ((est.double() - ref).abs() <= tol).all()
+                    assert torch.equal(top, est.argmax(1))
+                    for r in range(N):
+                        hinf = F(H[r].abs().max())
+                        norm = math.sqrt(sum(F(x) ** 2 for x in (rest[r] if rest_norm else H[r])))
+                        c = [F(norm) * F(K[0]), F(m[r, 0]) * F(K[1]) + hinf * F(K[2]), hinf * F(K[3]), F(K[4])]
+                        for i in range(V):
+                            real = F(est[r, i]) + sum(c[t] * F(terms[t][i]) for t in range(len(terms)))
+                            if bias is not None:
+                                real += c[3] * abs(F(bias[i]))
+                            # the norm: float64 within 1e-12 of the real one, the kernel's own raised by 1e-10
+                            assert F(up[r, i]) >= real, (V, r, i)

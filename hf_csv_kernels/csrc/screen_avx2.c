@@ -241,19 +241,69 @@ int hf_csv_screen_i8(const int8_t *q, const float *scale, int64_t V, int64_t d, 
     return run_threads(worker, &J, threads);
 }
 
-/* The screen with its bounds in one pass (hf_csv_kernels.screen.screen_bounds_cpu): est as above plus the
-   outlier columns and the bias, upper = est + the radius, and each chunk's largest estimate with its first row
-   (see epilogue; best/arg: [ceil(V / chunk), N], chunk a multiple of 8, checked by the caller). */
-int hf_csv_screen_bounds(const int8_t *q, const float *scale, int64_t V, int64_t d, const int8_t *a,
-                         const float *cr, int64_t N, const float *wJ, const float *hJ, int64_t k,
+/* The screen with its bounds in one call (hf_csv_kernels.screen.screen_bounds_cpu), from the float32 hidden
+   states h [N, d]:
+   * per row r, on the calling thread (docs/certificates.md §1.1, Lemma 2'): the outlier columns J (k of them)
+     are zeroed in h_R; hinf = max_j |h_j|; m = max |h_R| (1 where that is 0); a_j = round(fl(fl(h_j / m) 127))
+     for j not in J (|fl(h_j / m)| <= 1, so |a_j| <= 127), 0 on J; cr = fl(m / 127); the norm of h_R (of the whole h
+     when rest_norm is 0) as a float64 sum of squares (within (d + 2) 2^-53 relatively), square-rooted and raised
+     by 1e-10; coef = (norm K0, m K1 + hinf K2, hinf K3, K4) with the caller's constants K;
+   * then est, upper and each chunk's largest est, as the epilogue says, on `threads` threads; top[r] is the
+     first row of the largest est (chunks in increasing order, each keeping its first maximum).
+   chunk: a multiple of 8. Returns the threads that ran, or -1 if the workspace could not be allocated. */
+int hf_csv_screen_bounds(const int8_t *q, const float *scale, int64_t V, int64_t d, const float *h, int64_t N,
+                         const int64_t *Jc, int64_t k, const float *wJ, int rest_norm, const double *K,
                          const float *bias, const float *t0, const float *t1, const float *t2,
-                         const double *coef, float *est, float *upper, float *best, int64_t *arg,
-                         int threads, int64_t chunk, int interleaved) {
+                         float *est, float *upper, int64_t *top, int threads, int64_t chunk, int interleaved) {
+    const int64_t nchunks = (V + chunk - 1) / chunk;
+    int8_t *a = malloc((size_t)(N * d));
+    float *cr = malloc(sizeof(float) * (size_t)N), *hJ = malloc(sizeof(float) * (size_t)(N * k + 1));
+    float *best = malloc(sizeof(float) * (size_t)(nchunks * N));
+    double *coef = malloc(sizeof(double) * (size_t)(4 * N));
+    int64_t *arg = malloc(sizeof(int64_t) * (size_t)(nchunks * N));
+    unsigned char *inJ = calloc((size_t)d, 1);
+    int ran = -1;
+    if (!a || !cr || !hJ || !best || !coef || !arg || !inJ) goto done;
+    for (int64_t j = 0; j < k; j++) inJ[Jc[j]] = 1;
+    for (int64_t r = 0; r < N; r++) {
+        const float *x = h + r * d;
+        float hinf = 0.0f, m = 0.0f;
+        double n2 = 0.0;
+        for (int64_t j = 0; j < d; j++) {
+            const float v = fabsf(x[j]);
+            if (v > hinf) hinf = v;
+            if (!inJ[j] && v > m) m = v;
+            if (!inJ[j] || !rest_norm) n2 += (double)x[j] * (double)x[j];
+        }
+        if (!(m > 0.0f)) m = 1.0f;
+        for (int64_t j = 0; j < d; j++) {
+            if (inJ[j]) { a[r * d + j] = 0; continue; }
+            const float y = x[j] / m;
+            const float z = y * 127.0f;
+            a[r * d + j] = (int8_t)nearbyintf(z);
+        }
+        cr[r] = m / 127.0f;
+        for (int64_t j = 0; j < k; j++) hJ[r * k + j] = x[Jc[j]];
+        coef[4 * r] = sqrt(n2) * (1.0 + 1e-10) * K[0];
+        coef[4 * r + 1] = (double)m * K[1] + (double)hinf * K[2];
+        coef[4 * r + 2] = (double)hinf * K[3];
+        coef[4 * r + 3] = K[4];
+    }
     job_t J = {q, a, scale, cr, est, V, d, N, chunk, interleaved};
     atomic_init(&J.next, 0);
     J.wJ = wJ; J.hJ = hJ; J.k = k; J.bias = bias; J.t0 = t0; J.t1 = t1; J.t2 = t2; J.coef = coef;
     J.upper = upper; J.best = best; J.arg = arg; J.fused = 1;
-    return run_threads(worker, &J, threads);
+    ran = run_threads(worker, &J, threads);
+    for (int64_t r = 0; r < N; r++) {
+        float b = -INFINITY;
+        int64_t t = -1;
+        for (int64_t c = 0; c < nchunks; c++)
+            if (best[c * N + r] > b) { b = best[c * N + r]; t = arg[c * N + r]; }
+        top[r] = t;  /* -1 only if every estimate of the row is NaN (the caller then picks any seed) */
+    }
+done:
+    free(a); free(cr); free(hJ); free(best); free(coef); free(arg); free(inJ);
+    return ran;
 }
 
 /* The interleaved copy of q (see the layout above) and the smallest code, in one pass. */
