@@ -196,19 +196,25 @@ class CertifiedHead:
             err = err + val.abs() * gamma(1)
         return val, err
 
-    def _stock_lower(self, tokens: torch.Tensor, rows: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-        """A lower bound on stock's fp32 accumulator at (rows, tokens), whatever its order."""
+    def _stock_lower(self, tokens: torch.Tensor, rows: torch.Tensor, H: torch.Tensor,
+                     E: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A lower bound on stock's fp32 accumulator at (rows, tokens), whatever its order (``E``: the rows'
+        :meth:`stock_error`, when the caller has it)."""
         val, err = self.exact(tokens, rows, H)
-        return _down(_down(val - err, 2) - self.stock_error(H)[rows], 2)
+        return _down(_down(val - err, 2) - (self.stock_error(H) if E is None else E)[rows], 2)
 
     def _values(self, r: torch.Tensor, t: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor,
-                value_dtype: torch.dtype) -> torch.Tensor:
+                value_dtype: torch.dtype, sorted_one_row: bool = False) -> torch.Tensor:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
         all rows and the union of the candidate columns (stock's own arithmetic); otherwise the exact
         fp32 recompute, rounded to ``value_dtype``."""
         if t.numel() == 0:
             return torch.empty(0, dtype=torch.float32, device=Hf.device)
         if value_dtype == self.weight.dtype:
+            if sorted_one_row:  # one row whose candidates (a nonzero()) are distinct and sorted: unique(t) is t
+                b = None if self.bias_native is None else self.bias_native[t]
+                with caller_threads():  # stock's op as the caller runs it
+                    return F.linear(Hn, self.weight[t], b).view(-1).float()
             cols, inv = torch.unique(t, return_inverse=True)
             b = None if self.bias_native is None else self.bias_native[cols]
             with caller_threads():  # stock's op as the caller runs it
@@ -236,7 +242,7 @@ class CertifiedHead:
                 r, t = r[keep], t[keep]
         else:
             r, t = (S & ~special[:, None] if bool(special.any()) else S).nonzero(as_tuple=True)
-        vals = self._values(r, t, Hf, Hn, value_dtype)
+        vals = self._values(r, t, Hf, Hn, value_dtype, sorted_one_row=N == 1)
         logits = torch.full((N, V), float("-inf"), dtype=value_dtype, device=Hf.device)
         logits[r, t] = vals.to(value_dtype)
         if stats.collect_radius:
@@ -371,9 +377,11 @@ class CertifiedHead:
             seeds = (top if top is not None else est.argmax(1)).view(N, 1)
         else:
             seeds = est.topk(k, dim=1).indices  # sorted: est's top first
-        rows = torch.arange(N, device=Hf.device).repeat_interleave(seeds.shape[1])
-        lows = self._stock_lower(seeds.reshape(-1), rows, Hf).view(N, -1)
+        rows = torch.arange(N, device=Hf.device)
+        if seeds.shape[1] > 1:
+            rows = rows.repeat_interleave(seeds.shape[1])
         E = self.stock_error(Hf)
+        lows = self._stock_lower(seeds.reshape(-1), rows, Hf, E).view(N, -1)
         t, bound = _cut(lows.amin(1), E, d)
         S = U >= t[:, None]
         if k_min is not None:
@@ -397,7 +405,7 @@ class CertifiedHead:
             if top2.shape[1] == 2:
                 gap = top2[:, 0] - top2[:, 1]
                 # within stock's accumulation error: a kernel that is not column-invariant could order these
-                tol = 2 * self.stock_error(Hf) + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
+                tol = 2 * E + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
                 stats.near_ties += int((gap <= tol).sum())
         upper = U + self.stock_error(Hf)[:, None] if with_upper else None  # |stock − real| <= E
         return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper)
