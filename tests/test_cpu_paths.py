@@ -360,6 +360,27 @@ def test_speed_guard_unit():
     assert g.summary("k")["choice"] == "certified"
 
 
+def test_speed_guard_probes_a_much_slower_full_head_rarely_and_still_reacts_to_a_slowdown():
+    """Certified 12 ms against full 60 ms (Gemma-3's head): probes about every 400 calls, so the full calls cost
+    about 2 % of the certified time (every 128 calls it was 6 %); a certified head that turns slower than the full
+    one loses at once, with no probe needed."""
+    from hf_csv.speed import SpeedGuard
+
+    g = SpeedGuard()
+    full = 0
+    for i in range(4000):
+        c = g.certified("k")
+        full += not c
+        g.record("k", c, 0.012 if c else 0.060)
+    assert g.summary("k")["choice"] == "certified"
+    assert full <= 2 + 2 * (4000 // 384) + 2, full  # warm-up + two-call probes at least 384 calls apart
+    assert full * (0.060 - 0.012) / (4000 * 0.012) < 0.03
+    for i in range(20):  # the certified head slows to 90 ms: the full head takes over within the window
+        c = g.certified("k")
+        g.record("k", c, 0.090 if c else 0.060)
+    assert g.summary("k")["choice"] == "full"
+
+
 def test_speed_guard_forgets_a_passing_slowdown_at_the_next_probe():
     """The certified head slowed for a while (a load, the screen's background pack) must win again at the next
     probe once it is fast: with its old samples kept, the guard needed several probes, up to 128 calls apart."""
