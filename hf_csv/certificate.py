@@ -211,14 +211,12 @@ class CertifiedHead:
         if t.numel() == 0:
             return torch.empty(0, dtype=torch.float32, device=Hf.device)
         if value_dtype == self.weight.dtype:
-            if sorted_one_row:  # one row whose candidates (a nonzero()) are distinct and sorted: unique(t) is t
-                b = None if self.bias_native is None else self.bias_native[t]
-                with caller_threads():  # stock's op as the caller runs it
-                    return F.linear(Hn, self.weight[t], b).view(-1).float()
-            cols, inv = torch.unique(t, return_inverse=True)
+            # one row whose candidates (a nonzero()) are distinct and sorted: unique(t) is t itself
+            cols, inv = (t, None) if sorted_one_row else torch.unique(t, return_inverse=True)
             b = None if self.bias_native is None else self.bias_native[cols]
             with caller_threads():  # stock's op as the caller runs it
-                return F.linear(Hn, self.weight[cols], b)[r, inv].float()
+                out = F.linear(Hn, self.weight[cols], b)
+            return (out.view(-1) if inv is None else out[r, inv]).float()
         val, _ = self.exact(t, r, Hf)
         return val.to(value_dtype).float()
 
@@ -407,7 +405,7 @@ class CertifiedHead:
                 # within stock's accumulation error: a kernel that is not column-invariant could order these
                 tol = 2 * E + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
                 stats.near_ties += int((gap <= tol).sum())
-        upper = U + self.stock_error(Hf)[:, None] if with_upper else None  # |stock − real| <= E
+        upper = U + E[:, None] if with_upper else None  # |stock − real| <= E
         return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper)
 
     # ------------------------------------------------------ threshold

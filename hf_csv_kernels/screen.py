@@ -188,10 +188,14 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
         # one gather of the k columns (index_select: about half the time of W[:, J] on Gemma-3's head)
         w_out = weight.index_select(1, outlier_cols).to(torch.float32).contiguous()  # fp32/bf16/fp16 -> fp32 is exact
-        return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device),
-                        _native.block8(w_out) if w_out.device.type == "cpu" else None)
+        return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device), _w8(w_out))
     w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
-    return Outliers(outlier_cols, w_out, None, _native.block8(w_out) if w_out.device.type == "cpu" else None)
+    return Outliers(outlier_cols, w_out, None, _w8(w_out))
+
+
+def _w8(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """The outlier columns in the native kernel's 8-row blocks, where that kernel can read them (else None)."""
+    return _native.block8(w) if w.device.type == "cpu" and _native.available() else None
 
 
 def _use_native(rows: Int8Rows) -> bool:
