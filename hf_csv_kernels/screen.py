@@ -209,6 +209,19 @@ def _use_native(rows: Int8Rows) -> bool:
     return q.is_contiguous() and _native.min_code(q) >= -127
 
 
+def _native_layout(state: "ScreenState", n_rows: int) -> Optional[tuple[torch.Tensor, bool]]:
+    """The native kernel's (codes, interleaved) where it serves a call of ``n_rows``, else None: one row always;
+    several until fbgemm's pack exists (its GEMM is faster there), whose packing this starts in the background."""
+    lay = state.native  # read once: the background thread swaps in the interleaved copy
+    if lay is None:
+        return None
+    if n_rows > 1:
+        if state.packed is not None:
+            return None
+        _start_pack(state)
+    return lay
+
+
 def _interleave(state: "ScreenState") -> None:
     """Background: the 4-row interleaved copy of the codes (a little faster to stream), swapped in whole."""
     try:
@@ -355,11 +368,9 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     :func:`prepare_screen`) ||W_i − Ŵ_i||_rest·||h_rest|| instead, and the outlier GEMV and the add, now over
     W_J, are covered by an extra (γ_{k+2} + 4u)·||W_i||_1·||h_r||_∞ (docs/certificates.md §1.1, Lemma 1′).
     """
-    lay = state.native  # read once: the background thread swaps in the interleaved copy
+    lay = _native_layout(state, H.shape[0])
+    use_native = lay is not None
     packs = state.packed  # read once: a background thread may swap in one whole pack
-    if lay is not None and H.shape[0] > 1 and packs is None:
-        _start_pack(state)  # several rows: fbgemm's GEMM is faster there, once packed (the kernel serves meanwhile)
-    use_native = lay is not None and (H.shape[0] == 1 or packs is None)
     if not use_native:
         if not state.ready.is_set():  # packing in the background: wait (hf_csv's head checks first)
             state.ready.wait()
@@ -424,14 +435,9 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     includes the outlier columns and the bias; ``top`` [N] is the first index of each row's largest ``est``.
     Weight-only bounds hold in real arithmetic for float32 ``H`` rows; the caller handles non-finite rows.
     """
-    lay = state.native  # read once: the background thread swaps in the interleaved copy
+    lay = _native_layout(state, H.shape[0])
     if lay is None:
         return None
-    if H.shape[0] > 1:
-        if state.packed is None:
-            _start_pack(state)  # several rows: fbgemm's GEMM is faster there, once packed (the kernel serves meanwhile)
-        else:
-            return None
     rows = state.rows
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
     if out.w8 is None:
@@ -442,10 +448,11 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     exact = out.err_rest is not None
     terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
     b = None if bias is None else bias.float().contiguous()
-    key = ("bounds_checked", id(out), None if b is None else b.data_ptr())
+    # keyed by the caller's bias object, not by b: a bias of another dtype gives a fresh copy every call
+    key = ("bounds_checked", id(out), id(bias))
     if key not in state._cache:  # once per outlier set and bias: the state's tensors do not change
         _native.check_bounds_inputs(lay[0], rows.scale, out.cols, out.w8, terms, b)
-        state._cache[key] = out  # holds the set, so its id is not reused while the entry lives
+        state._cache[key] = (out, bias)  # holds both, so their ids are not reused while the entry lives
     # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} + 4u)·‖h‖_∞
     # (Lemma 2′'s step, Lemma 3's float steps, the provider's 4u for |est|); a_i's (γ_{k+2} + 4u)·‖h‖_∞ with exact
     # outlier columns; 2u for |b_i|

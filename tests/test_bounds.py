@@ -123,6 +123,26 @@ def test_fused_screen_bounds_ties_pick_the_first():
     assert int(top) == int(est.argmax(1)) == 17 and est[0, 17] == est[0, 4321]
 
 
+def test_fused_screen_checks_a_bias_of_another_dtype_once():
+    """A bf16 bias is copied to float32 every call; the once-per-bias input check is keyed by the caller's
+    object, so the state's cache does not grow with the number of calls (it did when keyed by the copy)."""
+    from hf_csv_kernels import native
+    from hf_csv_kernels.screen import screen_bounds_cpu
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    W = torch.randn(300, 32)
+    state = prepare_screen(quantize_rows_int8(W), None)
+    bias = torch.randn(300).bfloat16()
+    h = torch.randn(1, 32)
+    est0 = screen_bounds_cpu(state, h, bias)[0]
+    n = len(state._cache)
+    for _ in range(5):
+        est, up, top = screen_bounds_cpu(state, h, bias)
+    assert len(state._cache) == n
+    assert torch.equal(est, est0) and bool((up >= est).all())
+    assert torch.allclose(est, h @ W.T + bias.float(), atol=0.2)
+
+
 def _off_grid_head(V=64, d=48, k=4, seed=0):
     """Rows whose outlier-column weights sit halfway between int8 levels (the largest quantization error
     there), the other columns on the grid, and hidden states whose outlier columns are massive."""
