@@ -22,6 +22,7 @@ identity; with ``record=True`` it keeps one record per step of what was verified
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import time
@@ -41,6 +42,17 @@ __all__ = ["CSVLogitsProcessor", "GumbelCoupledDraw"]
 # id(processor) -> session, per context: a processor instance reused by concurrent calls (threads)
 # sees the session of its own call
 _BOUND: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_csv_bound_processors", default={})
+
+
+@contextlib.contextmanager
+def binding_scope():
+    """Bindings made inside (by :meth:`CSVLogitsProcessor.bind`) end with the block, also on exceptions: a
+    finished call's session is not reachable from its thread's context (no call outlives its ``generate``)."""
+    token = _BOUND.set(dict(_BOUND.get()))
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
 
 
 class CSVLogitsProcessor(LogitsProcessor):

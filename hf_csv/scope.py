@@ -31,7 +31,7 @@ from .head import (CSVSession, active_session, find_head, get_certified_head, gu
                    set_static_plan, swapped_head)
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
-from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw
+from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
 
 __all__ = ["instance_override", "certified", "new_session"]
 
@@ -108,7 +108,7 @@ def _hooks(model: nn.Module):
 def certified(model: nn.Module, sess: CSVSession):
     """Make ``sess`` active for ``model`` in this context (head swap, mode decision, hooks). Restored on
     exit, also on exceptions; concurrent activations on one model are reference-counted."""
-    with _hooks(model), \
+    with binding_scope(), _hooks(model), \
             instance_override(model, "_get_logits_processor", lambda orig: _patched_get_logits_processor(model, orig)), \
             instance_override(model, "_get_stopping_criteria", lambda orig: _patched_get_stopping_criteria(model, orig)), \
             instance_override(model, "_valid_auto_compile_criteria", lambda orig: _patched_compile_criteria(model, orig)), \
