@@ -18,6 +18,8 @@ __all__ = ["CSVConfig", "MODES", "PROVIDERS", "DEFAULT_BUDGET"]
 # dense GEMM of the whole head (measured, docs/benchmarks.md §3): the default ``budget`` of every certified head, and
 # the cutoff past which a row within the budget is computed densely (hf_csv.certificate).
 DEFAULT_BUDGET = 0.125
+# most exact outlier columns the screen takes (hf_csv_kernels.screen._err_rest)
+MAX_OUTLIERS = 1000
 
 MODES = ("auto", "topk", "sample", "epsilon")
 PROVIDERS = ("screen", "cluster")
@@ -54,7 +56,8 @@ class CSVConfig:
         revision: Hub revision of ``index`` when it is a repo id.
         stats: collect per-call certification statistics (``output.csv_stats`` /
             ``model.csv_last_stats``).
-        num_outliers: exact fp32 columns of h in the screen ("massive activations").
+        num_outliers: exact fp32 columns of h in the screen ("massive activations"), at most 1000 (the proof's
+            limit; a larger value is refused here, not when a head is built).
         speculative: verify step of assisted sampling (``assistant_model=``): ``"exact"`` (default,
             hf_csv's exact and faster replacement of transformers' ``_speculative_sampling``),
             ``"gumbel"`` (opt-in, exact: Gumbel-coupled verification — the draft and the target draw with the
@@ -157,6 +160,10 @@ class CSVConfig:
             raise ValueError(f"CSVConfig.compile_capacity must be an int >= 1, got {c!r}")
         if isinstance(self.num_outliers, bool) or not isinstance(self.num_outliers, int) or self.num_outliers < 0:
             raise ValueError(f"CSVConfig.num_outliers must be an int >= 0, got {self.num_outliers!r}")
+        if self.num_outliers > MAX_OUTLIERS:
+            # the exact-column error term e^R is proven for k <= 1000 columns (docs/certificates.md §1.1, Lemma 1')
+            raise ValueError(f"CSVConfig.num_outliers must be at most {MAX_OUTLIERS} (the screen's proof covers up "
+                             f"to {MAX_OUTLIERS} exact columns), got {self.num_outliers}")
 
     def head_key(self) -> tuple:
         """What determines the cached :class:`CertifiedHead` (the int8 screen is built once per key)."""

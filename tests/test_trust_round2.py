@@ -70,3 +70,25 @@ def test_certified_calls_leave_nothing_alive(pair, kind, threads):
     run(200)
     after = _hf_csv_objects()
     assert after - before <= 10, (kind, threads, before, after)
+
+
+# ------------------------------------------------------------------ 8. a configuration the head cannot serve
+def test_too_many_outlier_columns_refused_when_the_config_is_built():
+    with pytest.raises(ValueError, match="num_outliers must be at most 1000"):
+        CSVConfig(num_outliers=1001)
+
+
+def test_the_largest_outlier_count_serves_a_wide_head():
+    """num_outliers=1000 on a head whose hidden size exceeds 1000: certified, stock's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=1040, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.generation_config.pad_token_id = 0
+    m = hf_csv.enable(LlamaForCausalLM(cfg).eval())
+    m.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 256, (1, 5))
+    out = m.generate(ids, max_new_tokens=4, do_sample=False, csv_config=CSVConfig(num_outliers=1000))
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=4, do_sample=False))
