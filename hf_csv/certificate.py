@@ -30,7 +30,13 @@ from .bounds import BoundProvider, make_provider
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 
-__all__ = ["CertStats", "CertResult", "CertifiedHead"]
+__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX"]
+
+# The range of ||h||_∞ a certified row needs (rows outside it, NaN and inf rows too, get the full head): within it
+# no step of the screen underflows (its activation step m/127 stays a normal float32) or overflows, and stock's
+# products are covered by the absolute underflow term of stock_error. Real hidden states sit near 1-100.
+H_MIN = 2.0 ** -64
+H_MAX = 2.0 ** 64
 
 
 @dataclass
@@ -41,6 +47,7 @@ class CertStats:
     certified: int = 0
     fallback: int = 0
     nonfinite: int = 0
+    out_of_range: int = 0  # finite rows with ||h||_∞ = 0 or outside [H_MIN, H_MAX]: the full head (stock's row)
     subvocab_sum: int = 0
     subvocab_sizes: list = field(default_factory=list)
     near_ties: int = 0
@@ -50,7 +57,7 @@ class CertStats:
     collect_radius: bool = True
 
     def merge(self, other: "CertStats") -> "CertStats":
-        for f in ("rows", "certified", "fallback", "nonfinite", "subvocab_sum", "near_ties"):
+        for f in ("rows", "certified", "fallback", "nonfinite", "out_of_range", "subvocab_sum", "near_ties"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.subvocab_sizes.extend(other.subvocab_sizes)
         self.tv_bound_max = max(self.tv_bound_max, other.tv_bound_max)
@@ -69,7 +76,7 @@ class CertStats:
 
     def as_dict(self) -> dict:
         return {"rows": self.rows, "certified": self.certified, "fallback": self.fallback,
-                "nonfinite": self.nonfinite, "certified_fraction": self.certified_fraction,
+                "nonfinite": self.nonfinite, "out_of_range": self.out_of_range, "certified_fraction": self.certified_fraction,
                 "mean_subvocab_fraction": self.mean_subvocab_fraction, "near_ties": self.near_ties,
                 "tv_bound_max": self.tv_bound_max,
                 "mean_bound_radius": self.radius_sum / self.subvocab_sum if self.subvocab_sum else float("nan")}
@@ -141,6 +148,7 @@ class CertifiedHead:
             raise ValueError(f"budget must allow at least one candidate, got {budget}")
         self._gather = get_op("gather_gemv", weight.device)
         self._gam = gamma(self.hidden_size + 2)
+        self._underflow = (self.hidden_size + 2) * 2.0 ** -149  # a normal float32 (d < 2**100)
         # ||W_i||_1 (rounded up) for the recompute's accumulation margin: the screen's (>= ||W_i||_1, from this
         # weight), else chunked to avoid an fp32 copy
         rows = getattr(provider, "rows", None)
@@ -184,13 +192,14 @@ class CertifiedHead:
 
     def stock_error(self, H: torch.Tensor) -> torch.Tensor:
         """Per row, a bound E on |stock's fp32 accumulator − the real logit| for every token."""
-        return (self._gam * (self._l1_max * H.float().abs().amax(1) + self._b_max)) * (1 + 1e-6)
+        # + (d+2)·2⁻¹⁴⁹: a product that underflows errs by an absolute 2⁻¹⁵⁰ (Higham's γ covers relative errors only)
+        return (self._gam * (self._l1_max * H.float().abs().amax(1) + self._b_max)) * (1 + 1e-6) + self._underflow
 
     def exact(self, tokens: torch.Tensor, rows: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact fp32 logits at (rows, tokens) and a rigorous bound on their rounding error."""
         val = self._gather(self.weight, tokens, rows, H)
         # γ_{d+2}·Σ_j |W_ij h_j| <= γ·||W_i||_1·||h||_∞ bounds the fp32 accumulation error
-        err = self._gam * self._abs_l1[tokens] * H[rows].abs().amax(1)
+        err = self._gam * self._abs_l1[tokens] * H[rows].abs().amax(1) + self._underflow
         if self.bias is not None:
             val = val + self.bias[tokens]
             err = err + val.abs() * gamma(1)
@@ -281,7 +290,10 @@ class CertifiedHead:
 
     def _run_rows(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
         Hf, Hn = self._check(H)
-        finite = torch.isfinite(Hf).all(dim=1)
+        amax = Hf.abs().amax(1)
+        # the proofs' float steps assume normal numbers: below H_MIN the screen's step m/127 and stock's products
+        # underflow, above H_MAX its radius terms overflow (docs/certificates.md §2.4)
+        finite = (amax >= H_MIN) & (amax <= H_MAX)
         if bool(finite.all()):
             return fn(Hf, Hn, *args, **kwargs)
         stats = CertStats(vocab_size=self.vocab_size)
@@ -294,7 +306,9 @@ class CertifiedHead:
         bad = (~finite).nonzero(as_tuple=True)[0]
         stats.rows += len(bad)
         stats.fallback += len(bad)
-        stats.nonfinite += len(bad)
+        nonfin = int((~torch.isfinite(amax)).sum())
+        stats.nonfinite += nonfin
+        stats.out_of_range += len(bad) - nonfin
         good = finite.nonzero(as_tuple=True)[0]
         if len(good):
             sub_kw = dict(kwargs)

@@ -38,7 +38,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .certificate import CertifiedHead, CertResult, CertStats
+from .certificate import H_MAX, H_MIN, CertifiedHead, CertResult, CertStats
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 
@@ -219,7 +219,8 @@ class VocabParallelHead:
         stats = CertStats(vocab_size=self.vocab_size)
         Vr = self.weight.shape[0]
         kk = min(k, Vr)
-        finite = torch.isfinite(H).all(1)
+        amax = H.float().abs().amax(1)
+        finite = (amax >= H_MIN) & (amax <= H_MAX)  # NaN / inf / out-of-range rows: the full logits (below)
         Hs = torch.where(finite[:, None], H, torch.zeros_like(H))  # non-finite rows: handled below
         # 1-2: local seeds -> lower bounds -> global τ
         lb = torch.full((N, k), ninf, device=dev)

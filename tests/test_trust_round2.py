@@ -92,3 +92,39 @@ def test_the_largest_outlier_count_serves_a_wide_head():
     ids = torch.randint(3, 256, (1, 5))
     out = m.generate(ids, max_new_tokens=4, do_sample=False, csv_config=CSVConfig(num_outliers=1000))
     assert torch.equal(out, ref.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+# ------------------------------------------------------------------ 3. hidden states across the float range
+@pytest.mark.parametrize("scale", [1e-43, 1e-38, 1e-30, 0.0, 1e30])
+def test_tiny_and_huge_hidden_states_are_stock_or_declined(scale):
+    """Rows with ||h||_∞ outside [2⁻⁶⁴, 2⁶⁴] (subnormal, zero, huge) get stock's full row; with |h| ≈ 1e-43 the screen's
+    step underflowed and 22 of 30 "certified" top-1 rows were wrong."""
+    from hf_csv import CertifiedHead
+    from hf_csv.certificate import H_MAX, H_MIN
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    W = torch.randn(4099, 64)
+    H = torch.randn(30, 64) * scale
+    head = CertifiedHead(W)
+    res = head.topk(H, k=1)
+    stock = F.linear(H, W)
+    inside = (H.abs().amax(1) >= H_MIN) & (H.abs().amax(1) <= H_MAX)
+    assert torch.equal(res.logits.argmax(1), stock.argmax(1))
+    assert res.stats.out_of_range == int((~inside).sum())
+    assert res.stats.certified == int(inside.sum())
+    full = res.mask.all(1)
+    assert torch.equal(res.logits[full], stock[full])
+
+
+def test_subnormal_final_norm_generates_stock_tokens():
+    """A tiny Llama whose final norm weight is 1e-44 generated [490, 140, 0, 0] against stock's, all "certified"."""
+    import copy
+
+    ref = tiny_llama(vocab=512, scale=20.0)
+    with torch.no_grad():
+        ref.model.norm.weight.fill_(1e-44)
+    m = hf_csv.enable(copy.deepcopy(ref))
+    ids = torch.randint(3, 512, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = m.generate(ids, max_new_tokens=4, do_sample=False, csv_config=CSVConfig())
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=4, do_sample=False))
