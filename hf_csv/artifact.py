@@ -107,7 +107,10 @@ class ScreenData:
         than rounding: these codes were not made from this head (or the file was altered)."""
         t = self.tensors
         dev = weight.device
-        rows = rows_from_codes(weight.detach(), t["q"].to(dev), t["scale"].to(dev))
+        try:
+            rows = rows_from_codes(weight.detach(), t["q"].to(dev), t["scale"].to(dev))
+        except ValueError as e:  # codes or scales no head could have produced (altered, or hostile)
+            raise IndexFormatError(f"the stored screen is not valid: {e}") from e
         for k in ("err_l2", "l1", "abs_l1"):
             stored = t[k].to(dev)
             got = getattr(rows, k)
@@ -148,7 +151,17 @@ class CSVArtifact:
                     raise IndexFormatError(f"screen tensor {k!r} has shape {tuple(t[k].shape)}, expected {shape}")
             if t["q"].dtype not in (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8)):
                 raise IndexFormatError(f"screen codes have dtype {t['q'].dtype}, expected int8 or float8_e4m3fn")
+            for k in ("scale", "err_l2", "l1", "abs_l1"):
+                v = t[k]
+                if v.dtype != torch.float32:
+                    raise IndexFormatError(f"screen tensor {k!r} has dtype {v.dtype}, expected float32")
+                if not bool((torch.isfinite(v) & (v >= 0)).all()):
+                    raise IndexFormatError(f"screen tensor {k!r} holds negative, NaN or infinite values")
             oc = t["outlier_cols"]
+            if oc.dtype not in (torch.int64, torch.int32, torch.int16):
+                raise IndexFormatError(f"screen outlier columns have dtype {oc.dtype}, expected an integer type")
+            if oc.dim() == 1 and oc.numel() != torch.unique(oc).numel():
+                raise IndexFormatError("screen outlier columns must be distinct")
             if oc.dim() != 1 or (oc.numel() and (int(oc.min()) < 0 or int(oc.max()) >= d)):
                 raise IndexFormatError(f"screen outlier columns must be a 1-d tensor of indices in [0, {d})")
         if index is not None and (index.config.vocab_size, index.config.hidden_size) != (V, d):

@@ -264,12 +264,13 @@ def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(scale.shape)} do not fit a head of shape "
                          f"{tuple(weight.shape)}")
     V, d = weight.shape
+    _check_codes(q, scale)
     s_all = scale.float()
     if _native_terms_ok(weight, q, s_all):
         from . import native
 
         err_l2, l1, abs_l1 = native.row_terms(weight, q, s_all.contiguous())
-        return Int8Rows(q=q, scale=s_all, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+        return _check_scale_size(Int8Rows(q=q, scale=s_all, err_l2=err_l2, l1=l1, abs_l1=abs_l1))
     out = Int8Rows(q=q, scale=s_all, err_l2=torch.empty(V, dtype=torch.float32, device=weight.device),
                    l1=torch.empty(V, dtype=torch.float32, device=weight.device),
                    abs_l1=torch.empty(V, dtype=torch.float32, device=weight.device))
@@ -285,4 +286,38 @@ def rows_from_codes(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
         _terms_into(out, lo, w, b.copy_(q[lo:hi]), s_all[lo:hi], c)
 
     _run_chunks(V, step, f"hf_csv: checking the stored screen ({V} x {d})", progress, body, weight.device)
-    return out
+    return _check_scale_size(out)
+
+
+def _check_codes(q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Codes and scales from a file, before any arithmetic: the proofs assume finite, non-negative scales in
+    float32 and finite codes (docs/certificates.md §5). A negative scale made the error terms negative, a NaN
+    scale NaN bounds that admit no token: both gave wrong "certified" tokens before this check."""
+    if not scale.is_floating_point() or scale.dtype not in (torch.float32, torch.float64, torch.float16,
+                                                            torch.bfloat16):
+        raise ValueError(f"screen scales must be floating point (float32), got {scale.dtype}")
+    if q.dtype != torch.int8 and q.dtype != getattr(torch, "float8_e4m3fn", torch.int8):
+        raise ValueError(f"screen codes must be int8 or float8_e4m3fn, got {q.dtype}")
+    s = scale.float()
+    bad = ~torch.isfinite(s) | (s < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"screen scale of row {i} is {float(scale[i])!r}: every scale must be finite and >= 0 "
+                         f"({int(bad.sum())} rows are not)")
+    if q.dtype != torch.int8:
+        fin = torch.isfinite(q.float()).all(1)
+        if not bool(fin.all()):
+            raise ValueError(f"screen codes of row {int((~fin).nonzero()[0, 0])} are not finite")
+
+
+def _check_scale_size(rows: Int8Rows) -> Int8Rows:
+    """A scale far above the head's own row keeps the float steps of the estimate and its radius from staying
+    finite (an overflowing estimate plus an infinite radius is NaN, and a NaN upper bound admits no token): every
+    scale must be at most 2·||W_i||_1 (the quantizer's is max_j |W_ij| / 127), or tiny."""
+    cap = rows.abs_l1 * 2 + 2.0 ** -100
+    bad = rows.scale > cap
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"screen scale of row {i} ({float(rows.scale[i]):.6g}) is far above its head row's "
+                         f"magnitude (||W_i||_1 <= {float(rows.abs_l1[i]):.6g}): not made from this head")
+    return rows
