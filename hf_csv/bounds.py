@@ -176,7 +176,8 @@ class ClusterProvider:
                  check: bool = True):
         if check:
             index.check_head(weight, bias)
-        self.index = index.to(weight.device)
+        # soundness rests on the live head only: radii, norms and bias maxima recomputed from it (§1.2)
+        self.index = index.for_head(weight, bias).to(weight.device)
         self.vocab_size = index.config.vocab_size
         self.spherical = index.config.metric == "spherical"
 

@@ -218,5 +218,50 @@ class VocabIndex:
         """Raise :class:`FingerprintMismatchError` unless this index was built for this head."""
         check_head_identity("index", self.config, weight, bias)
 
+    def for_head(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "VocabIndex":
+        """This index with every quantity the cluster bound's soundness needs recomputed from the live head:
+        radius (against the stored centroids and assignment), the norm range (spherical) and each cluster's
+        largest bias (docs/certificates.md §1.2). The fingerprint samples rows, so a head edited in an unsampled
+        row passed it, and a stale stored radius no longer bounded that row. Raises
+        :class:`FingerprintMismatchError` when a recomputed term exceeds the stored one (built for another head),
+        :class:`IndexFormatError` for a non-finite centroid or an assignment out of range."""
+
+        V, d = weight.shape
+        C = int(self.centroids.shape[0])
+        a = self.assignment.to("cpu", torch.int64)
+        if tuple(a.shape) != (V,) or (V and (int(a.min()) < 0 or int(a.max()) >= C)):
+            raise IndexFormatError(f"the index's assignment must hold {V} cluster ids in [0, {C})")
+        cent = self.centroids.to("cpu", torch.float32)
+        if not bool(torch.isfinite(cent).all()):
+            raise IndexFormatError("the index's centroids are not finite")
+        W = weight.detach().to("cpu", torch.float32)
+        norms = W.norm(dim=1)
+        spherical = self.config.metric == "spherical"
+        cnt = torch.bincount(a, minlength=C)
+        radius = torch.zeros(C, dtype=torch.float64)
+        for lo in range(0, V, 16384):  # chunked: no V x d float64 copy
+            hi = min(V, lo + 16384)
+            X = W[lo:hi].double()
+            if spherical:
+                X = X / norms[lo:hi].double().clamp(min=1e-30)[:, None]
+            radius.scatter_reduce_(0, a[lo:hi], (X - cent.double()[a[lo:hi]]).norm(dim=1), "amax", include_self=True)
+        radius = (radius * (1 + 1e-6) + 1e-7).float()  # as build(): the same head gives the same bits
+        inf = torch.tensor(float("inf"))
+        norm_min = torch.full((C,), inf).scatter_reduce_(0, a, norms, "amin", include_self=True)
+        norm_min = torch.where(cnt > 0, norm_min * (1 - 1e-6), torch.zeros(C))
+        norm_max = torch.zeros(C).scatter_reduce_(0, a, norms, "amax", include_self=True) * (1 + 1e-6)
+        b = bias.detach().to("cpu", torch.float32) if bias is not None else torch.zeros(V)
+        bias_max = torch.full((C,), -inf).scatter_reduce_(0, a, b, "amax", include_self=True)
+        bias_max = torch.where(cnt > 0, bias_max, torch.full((C,), -inf))
+        stored = self.radius.to("cpu", torch.float32)
+        over = ~(radius <= stored)  # NaN stored radii count as over
+        if bool(over.any()):
+            c = int(over.nonzero()[0, 0])
+            raise FingerprintMismatchError(
+                f"the cluster index does not fit this head: cluster {c} has radius {float(radius[c]):.6g} > stored "
+                f"{float(stored[c]):.6g} ({int(over.sum())} clusters): built for another head, or the head was edited")
+        tensors = dict(self.tensors, radius=radius, norm_min=norm_min, norm_max=norm_max, bias_max=bias_max)
+        return VocabIndex(self.config, {k: v.to(self.centroids.device) for k, v in tensors.items()})
+
     def to(self, device: Union[str, torch.device]) -> "VocabIndex":
         return VocabIndex(self.config, {k: v.to(device) for k, v in self.tensors.items()})
