@@ -24,6 +24,10 @@ __all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "
 #   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
 #   timestamps: Whisper's timestamp rules and its logsumexp decision (greedy: checked right before it)
 #   full:  may raise uncomputed tokens or reads all logits: full head
+# the order-preserving processors whose effect on the sampling law the head's own draw (sample mode) reproduces:
+# temperature is one of its warps; InfNanRemove changes no finite score
+_LAW_ORDERS = frozenset({"TemperatureLogitsWarper", "InfNanRemoveLogitsProcessor"})
+
 _KIND = {
     "TemperatureLogitsWarper": "order",
     "InfNanRemoveLogitsProcessor": "order",
@@ -312,7 +316,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                          "scores that keep probability")
         return session
     orders = {type(p).__name__ for p in processors if classify_processor(p) == "order"}
-    if lower and not norm and len(topks) == 0 and orders <= {"TemperatureLogitsWarper", "InfNanRemoveLogitsProcessor"}:
+    if lower and not norm and len(topks) == 0 and orders <= _LAW_ORDERS:
         # lazy Gumbel with the draw after the lowering processors (docs/certificates.md §2.3): they only lower
         # scores, so the head's upper bounds stay upper bounds; the CSVLogitsProcessor (last) draws and checks
         session.mode, session.verify, session.draw_after = "sample", True, True
@@ -330,6 +334,12 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         return session
     if len(topks) > 1:
         session.set_full("several top-k warpers")
+        return session
+    if orders - _LAW_ORDERS:
+        # "order" means argmax-invariant, not law-invariant: x -> 3x keeps every argmax and changes the law, and the
+        # head's own draw models temperature and the top-k filter only (docs/certificates.md §2.3)
+        session.set_full(f"sampling with order-preserving processors {sorted(orders - _LAW_ORDERS)} whose effect on "
+                         "the law the certified draw does not model")
         return session
     session.mode = "sample"
     return session

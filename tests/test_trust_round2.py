@@ -285,3 +285,38 @@ def test_cluster_index_uses_live_terms():
     loose = VocabIndex(ix.config, dict(ix.tensors, radius=ix.radius * 10, bias_max=ix.bias_max + 5))
     live = loose.for_head(W)
     assert torch.equal(live.radius, ix.radius) and torch.equal(live.bias_max, ix.bias_max)
+
+
+# ------------------------------------------------------------------ 2. custom order processors in sample mode
+def test_custom_order_processor_reaches_the_sampling_law():
+    """A processor declaring csv_kind="order" (x -> 3x keeps every argmax, changes the law) was ignored by the head's
+    own draw with do_sample=True, top_k=0: chi-square p = 0 against stock's law. Now such a call uses the full head."""
+    import numpy as np
+    from scipy import stats as sps
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Triple(LogitsProcessor):
+        csv_kind = "order"
+
+        def __call__(self, input_ids, scores):
+            return scores * 3
+
+    m = hf_csv.enable(tiny_llama(scale=2.0))
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        law = torch.softmax(m(ids).logits[0, -1].float() * 3, -1).numpy().astype(np.float64)
+    draws = []
+    torch.manual_seed(0)
+    for _ in range(5):
+        out = m.generate(ids.repeat(400, 1), max_new_tokens=1, do_sample=True, top_k=0,
+                         logits_processor=LogitsProcessorList([Triple()]), csv_config=CSVConfig())
+        draws.append(out[:, -1].numpy())
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and "Triple" in " ".join(st["reasons"])
+    n = np.bincount(np.concatenate(draws), minlength=len(law))
+    keep = law * n.sum() >= 5
+    obs = np.append(n[keep], n[~keep].sum()).astype(float)
+    exp = np.append(law[keep], law[~keep].sum()) * n.sum()
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    assert sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
