@@ -38,7 +38,7 @@ from typing import Optional
 
 from .errors import UnsupportedVersionError
 
-__all__ = ["Support", "SUPPORTED", "support", "unsupported_reason", "check_transformers_version",
+__all__ = ["Support", "SUPPORTED", "support", "unsupported_reason", "check_transformers_version", "generation_setting",
            "speculative_gen_utils", "transformers_version"]
 
 
@@ -144,3 +144,16 @@ def speculative_gen_utils() -> tuple[object, Support]:
     if params != expected:
         raise UnsupportedVersionError(f"unexpected _speculative_sampling signature {params}; expected {expected}")
     return gen_utils, sup
+
+
+def generation_setting(generation_config: object, key: str) -> object:
+    """The value ``generate`` uses for ``key`` when the call does not name it: the config's, else transformers'
+    global default (5.x leaves unset fields ``None`` and fills them from ``_get_default_generation_params``, e.g.
+    ``top_k = 50``; 4.57 stores the defaults in the config itself)."""
+    v = getattr(generation_config, key, None)
+    if v is None:
+        defaults = getattr(type(generation_config), "_get_default_generation_params", None)
+        if callable(defaults):
+            v = defaults().get(key)
+    return v
+

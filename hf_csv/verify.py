@@ -224,9 +224,17 @@ def gumbel_reference(model: Any, seed: int, **generate_kwargs: Any) -> torch.Ten
 
     from hf_csv_kernels.verify import KeyedGumbel
 
+    from ._compat import generation_setting
+
     kw = dict(generate_kwargs)
+    # each warper's setting as the certified call sees it: the keyword, else the generation config passed, else the
+    # model's (transformers' default top_k = 50, or a model's generation_config.json)
+    gc = kw.get("generation_config") or getattr(model, "generation_config", None)
+    warp = {key: kw[key] if key in kw else generation_setting(gc, key)
+            for key in ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                        "top_h")}
     for key in ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
-        if kw.get(key) not in (None, 0, 0.0, 1.0):
+        if warp[key] not in (None, 0, 0.0, 1.0):
             raise ValueError(f"gumbel_reference: {key} is not supported")
 
     class _KeyedDraw(LogitsProcessor):
@@ -239,14 +247,14 @@ def gumbel_reference(model: Any, seed: int, **generate_kwargs: Any) -> torch.Ten
     torch.manual_seed(seed)
     kg = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))  # the certified call's first draw (hf_csv.generation)
     warpers: list = []
-    if kw.get("temperature") not in (None, 1.0):
-        warpers.append(TemperatureLogitsWarper(kw["temperature"]))
-    if kw.get("top_k"):
-        warpers.append(TopKLogitsWarper(kw["top_k"]))
-    if kw.get("top_p") not in (None, 1.0):
-        warpers.append(TopPLogitsWarper(kw["top_p"]))
-    if kw.get("min_p"):
-        warpers.append(MinPLogitsWarper(kw["min_p"]))
+    if warp["temperature"] not in (None, 1.0):
+        warpers.append(TemperatureLogitsWarper(warp["temperature"]))
+    if warp["top_k"]:
+        warpers.append(TopKLogitsWarper(warp["top_k"]))
+    if warp["top_p"] not in (None, 1.0):
+        warpers.append(TopPLogitsWarper(warp["top_p"]))
+    if warp["min_p"]:
+        warpers.append(MinPLogitsWarper(warp["min_p"]))
     kw.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None, do_sample=True)
     kw["logits_processor"] = [*kw.get("logits_processor", []), *warpers, _KeyedDraw()]
     generate = type(model).generate  # the class's: an hf_csv-enabled instance's generate without csv_config is too

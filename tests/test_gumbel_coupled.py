@@ -272,3 +272,24 @@ def test_gumbel_differential_summary():
     cert = sum(r["certified"] > 0 for r in GUMBEL_RESULTS)
     print(f"\nhf_csv Gumbel-coupled fuzzer: {n} cases, {cert} with certified target rows")
     assert cert >= n / 2, GUMBEL_RESULTS
+
+
+@pytest.mark.parametrize("source", ["default", "model_config", "passed_config"])
+def test_gumbel_reference_reads_the_generation_config_warpers(trio, source):
+    """The warpers the call does not name come from the generation config (transformers' default top_k = 50, a model's
+    generation_config.json, or a generation_config passed): gumbel_reference ignored them before (issue 35, item 6)."""
+    from transformers import GenerationConfig
+
+    target, close, _ = trio
+    model = copy.deepcopy(target)
+    kw = dict(max_new_tokens=16)
+    if source == "model_config":
+        model.generation_config.top_k, model.generation_config.temperature = 7, 0.6
+    elif source == "passed_config":
+        kw["generation_config"] = GenerationConfig(top_k=5, top_p=0.9, max_new_tokens=16, pad_token_id=0)
+    cfg = CSVConfig(speculative="gumbel", budget=0.3)
+    for seed in range(2):
+        ref = gumbel_reference(model, seed, input_ids=IDS, **kw)
+        torch.manual_seed(seed)
+        out = model.generate(IDS, assistant_model=close, do_sample=True, csv_config=cfg, **kw)
+        assert torch.equal(out, ref), (source, seed)
