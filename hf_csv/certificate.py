@@ -15,6 +15,7 @@ tokens or clusters. This module does not import transformers.
 from __future__ import annotations
 
 import math
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
@@ -30,7 +31,9 @@ from .bounds import BoundProvider, make_provider
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 
-__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "value_interval"]
 
 # The range of ||h||_∞ a certified row needs (rows outside it, NaN and inf rows too, get the full head): within it
 # no step of the screen underflows (its activation step m/127 stays a normal float32) or overflows, and stock's
@@ -67,19 +70,19 @@ class CertStats:
 
     @property
     def certified_fraction(self) -> float:
-        return self.certified / self.rows if self.rows else float("nan")
+        return self.certified / self.rows if self.rows else 0.0
 
     @property
     def mean_subvocab_fraction(self) -> float:
         """Mean |S|/V over certified rows (fallback rows read all of V and are counted apart)."""
-        return self.subvocab_sum / (self.certified * self.vocab_size) if self.certified else float("nan")
+        return self.subvocab_sum / (self.certified * self.vocab_size) if self.certified and self.vocab_size else 0.0
 
     def as_dict(self) -> dict:
         return {"rows": self.rows, "certified": self.certified, "fallback": self.fallback,
                 "nonfinite": self.nonfinite, "out_of_range": self.out_of_range, "certified_fraction": self.certified_fraction,
                 "mean_subvocab_fraction": self.mean_subvocab_fraction, "near_ties": self.near_ties,
                 "tv_bound_max": self.tv_bound_max,
-                "mean_bound_radius": self.radius_sum / self.subvocab_sum if self.subvocab_sum else float("nan")}
+                "mean_bound_radius": self.radius_sum / self.subvocab_sum if self.subvocab_sum else 0.0}
 
 
 @dataclass
@@ -103,6 +106,19 @@ class CertResult:
     # sample(with_conf=True) only: [N] the drawn token's probability, exact with a top-k warp, else with the
     # normalizer estimated from the provider's estimate off S (a heuristic for an assistant's confidence stop)
     conf: Optional[torch.Tensor] = None
+    # [N] fp32: every returned value on S comes from an fp32 accumulator within ``slack`` of stock's (then rounded to
+    # the value dtype as stock rounds); 0 on rows that are stock's own (docs/certificates.md §2.0, "Values on S")
+    slack: Optional[torch.Tensor] = None
+    # (rows, tokens, fp32 accumulators) of the values computed from a column subset (top-k only; rows with slack 0
+    # hold stock's own values and have no entry): see :func:`value_interval`
+    acc: Optional[tuple] = None
+
+    def acc_dense(self) -> torch.Tensor:
+        """[N, V] fp32: our accumulator on gathered entries, the returned value elsewhere (stock's own rows, -inf)."""
+        out = self.logits.float().clone()
+        if self.acc is not None and self.acc[0].numel():
+            out[self.acc[0], self.acc[1]] = self.acc[2]
+        return out
 
 
 class CertifiedHead:
@@ -161,6 +177,27 @@ class CertifiedHead:
         self._dense_cutoff = max(1, int(self.vocab_size * DEFAULT_BUDGET))
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" else None
+        self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
+
+    # ------------------------------------------------- the value assumption
+    def subset_exact(self) -> bool:
+        """Whether this process's kernel computed every column subset probed bit for bit as the full call does
+        (``F.linear`` on gathered rows of W against the full ``F.linear``). Paths that hand the values on S to
+        stock's own sampler, verify or score outputs need that property, which no proof gives (docs/certificates.md
+        §2.0): where a probe finds a difference (MKL's AVX-512 and SSE4.2 paths round small GEMVs differently from
+        the full call), those paths use the full head; greedy decisions and hf_csv's own draws never need it (they
+        are decided within the values' slack). Probed once per head and per ``MKL_ENABLE_INSTRUCTIONS`` /
+        ``MKL_CBWR`` setting: subsets of 1 to 257 columns (random, the tail, a block), one row and three,
+        against the full call at one and two threads."""
+        key = (os.environ.get("MKL_ENABLE_INSTRUCTIONS"), os.environ.get("MKL_CBWR"), torch.get_num_threads())
+        got = self._subset_probe.get(key)
+        if got is None:
+            got = self._subset_probe[key] = _probe_subsets(self.weight, self.bias_native)
+            if not got:
+                logger.warning("hf_csv: this CPU's BLAS computes a column subset of the head in another rounding "
+                               "than the full call; certified sampling that reads the values (stock's sampler, "
+                               "verify, scores) uses the full head here (docs/certificates.md §2.0)")
+        return got
 
     # ----------------------------------------------------------- helpers
     def _check(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,21 +250,46 @@ class CertifiedHead:
         return _down(_down(val - err, 2) - (self.stock_error(H) if E is None else E)[rows], 2)
 
     def _values(self, r: torch.Tensor, t: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor,
-                value_dtype: torch.dtype, sorted_one_row: bool = False) -> torch.Tensor:
+                value_dtype: torch.dtype, sorted_one_row: bool = False,
+                with_slack: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
-        all rows and the union of the candidate columns (stock's own arithmetic); otherwise the exact
-        fp32 recompute, rounded to ``value_dtype``."""
+        all rows and the union of the candidate columns; otherwise the exact fp32 recompute, rounded to
+        ``value_dtype``.
+
+        These are *not* assumed to be stock's values (a BLAS may sum a column subset in another order than the full
+        call: MKL's AVX-512 path does). With ``with_slack`` returns ``(vals, acc, slack)``: ``acc`` our fp32
+        accumulator of each value (``vals`` is it rounded to ``value_dtype``) and ``slack`` s >= |acc − stock's fp32
+        accumulator|, docs/certificates.md §2.0: each is within γ_{d+2}(Σ_j |W_ij h_j| + |b_i|) + (d+2)·2⁻¹⁴⁹ of the
+        real logit, whatever its summation order."""
         if t.numel() == 0:
-            return torch.empty(0, dtype=torch.float32, device=Hf.device)
+            e = torch.empty(0, dtype=torch.float32, device=Hf.device)
+            return (e, e, e) if with_slack else e
         if value_dtype == self.weight.dtype:
             # one row whose candidates (a nonzero()) are distinct and sorted: unique(t) is t itself
             cols, inv = (t, None) if sorted_one_row else torch.unique(t, return_inverse=True)
             b = None if self.bias_native is None else self.bias_native[cols]
+            Wc = self.weight[cols]
             with caller_threads():  # stock's op as the caller runs it
-                out = F.linear(Hn, self.weight[cols], b)
-            return (out.view(-1) if inv is None else out[r, inv]).float()
-        val, _ = self.exact(t, r, Hf)
-        return val.to(value_dtype).float()
+                out = F.linear(Hn, Wc, b)
+            pick = (lambda x: x.view(-1)) if inv is None else (lambda x: x[r, inv])
+            vals = pick(out).float()
+            if not with_slack:
+                return vals
+            Hs = Hn.float()  # what stock multiplies (bf16/fp16 products are exact in fp32)
+            if self.weight.dtype == torch.float32:
+                acc = vals
+                Wf = Wc
+            else:  # the fp32 accumulator before stock's rounding to the weight dtype
+                Wf = Wc.float()
+                acc = pick(F.linear(Hs, Wf, None if self.bias is None else self.bias[cols]))
+            # Σ_j |W_ij h_j| in fp32 (short of the real sum by at most γ_{d+2} relatively: raised below)
+            ad = pick(F.linear(Hs.abs(), Wf.abs()))
+            if self.bias is not None:
+                ad = ad + self.bias[t].abs()
+            return vals, acc, (2 * self._gam * (1 + 2 * self._gam) * (1 + 1e-6)) * ad + 2 * self._underflow
+        val, err = self.exact(t, r, Hf)
+        vals = val.to(value_dtype).float()
+        return (vals, val, err + self.stock_error(Hf)[r]) if with_slack else vals
 
     def _dense(self, S: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
                stats: CertStats, U: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, "_Dense"]:
@@ -249,7 +311,11 @@ class CertifiedHead:
                 r, t = r[keep], t[keep]
         else:
             r, t = (S & ~special[:, None] if bool(special.any()) else S).nonzero(as_tuple=True)
-        vals = self._values(r, t, Hf, Hn, value_dtype, sorted_one_row=N == 1)
+        vals, acc, ent = self._values(r, t, Hf, Hn, value_dtype, sorted_one_row=N == 1, with_slack=True)
+        # per row, the largest slack of its gathered values (0 where the row holds none, or stock's own row)
+        slack = torch.zeros(N, dtype=torch.float32, device=Hf.device)
+        if ent.numel():
+            slack = slack.scatter_reduce(0, r, ent, "amax", include_self=True)
         logits = torch.full((N, V), float("-inf"), dtype=value_dtype, device=Hf.device)
         logits[r, t] = vals.to(value_dtype)
         if stats.collect_radius:
@@ -270,7 +336,10 @@ class CertifiedHead:
         stats.subvocab_sum += int(sizes.sum())
         stats.subvocab_sizes.extend(sizes.tolist())
         stats.vocab_size = V
-        return logits, _Dense(rows=r, vals=vals, special=bool(special.any()), over=over, complete=over | (counts == V))
+        if bool(special.any()):
+            slack[idx] = 0.0  # stock's own op on all rows of the call
+        return logits, _Dense(rows=r, vals=vals, special=bool(special.any()), over=over, complete=over | (counts == V),
+                              slack=slack, toks=t, acc=acc)
 
     def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
         """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
@@ -379,7 +448,7 @@ class CertifiedHead:
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
-              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
+              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None, decide: bool = True) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -407,20 +476,33 @@ class CertifiedHead:
             S[:, self.vocab_size - always:] = True
         logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always)
         bound = bound.masked_fill(info.complete, float("-inf"))
-        if k == 1:
-            if N == 1 and not info.special and info.vals.numel() >= 2:
-                top2 = info.vals.topk(2).values[None]  # equals the dense top-2 (-inf outside S)
-            elif not info.special:
-                top2 = _sparse_top2(info.rows, info.vals, N)  # no pass over [N, V]
-            else:
-                top2 = logits.float().topk(min(2, self.vocab_size), dim=1).values
-            if top2.shape[1] == 2:
-                gap = top2[:, 0] - top2[:, 1]
-                # within stock's accumulation error: a kernel that is not column-invariant could order these
-                tol = 2 * E + top2[:, 0].abs() * (torch.finfo(d).eps if d != torch.float32 else 0.0)
-                stats.near_ties += int((gap <= tol).sum())
+        slack = info.slack
+        if k == 1 and decide and bool((slack > 0).any()):
+            # the argmax must not depend on where in its slack stock's value lies (docs/certificates.md §2.0)
+            und = _sparse_undecided(info.rows, info.toks, info.vals, info.acc, slack, N, d)
+            if bool(und.any()):
+                self._to_stock(und, logits, S, bound, slack, Hf, Hn, d, stats)
+                keep = ~und[info.rows]
+                info.rows, info.toks, info.vals, info.acc = (info.rows[keep], info.toks[keep], info.vals[keep],
+                                                             info.acc[keep])
         upper = U + E[:, None] if with_upper else None  # |stock − real| <= E
-        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper)
+        return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper, slack=slack,
+                          acc=(info.rows, info.toks, info.acc))
+
+    def _to_stock(self, rows: torch.Tensor, logits: torch.Tensor, S: torch.Tensor, bound: Optional[torch.Tensor],
+                  slack: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, d: torch.dtype, stats: CertStats) -> None:
+        """Rows (bool [N]) whose decision the slack of their values leaves open: stock's whole row (its op on every
+        row of the call), counted as fallbacks and in ``near_ties``."""
+        idx = rows.nonzero(as_tuple=True)[0]
+        logits[idx] = self._stock_rows(Hf, Hn, d)[idx].to(logits.dtype)
+        S[idx] = True
+        if bound is not None:
+            bound[idx] = float("-inf")
+        slack[idx] = 0.0
+        n = len(idx)
+        stats.certified -= n
+        stats.fallback += n
+        stats.near_ties += n
 
     # ------------------------------------------------------ threshold
     @torch.no_grad()
@@ -647,6 +729,9 @@ class _Dense:
     special: bool  # some row was computed densely (big or over budget)
     over: torch.Tensor  # bool [N]: rows over the budget (full head)
     complete: torch.Tensor  # bool [N]: rows that hold every token (S = V)
+    slack: torch.Tensor  # fp32 [N]: |our accumulator − stock's| <= slack on every value of the row (0: stock's row)
+    toks: torch.Tensor  # token of each sparse value
+    acc: torch.Tensor  # our fp32 accumulator of each sparse value (vals is it rounded to the value dtype)
 
 
 def _down(x: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -735,4 +820,80 @@ def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor
     out[has1, 0] = v[start[has1]]
     out[has2, 1] = v[start[has2] + 1]
     return out
+
+
+def _to_dtype(x: torch.Tensor, d: torch.dtype, up: bool) -> torch.Tensor:
+    """fp32 ``x`` rounded to ``d`` toward +inf (``up``) or -inf, as fp32 holding a ``d`` value."""
+    if d == torch.float32:
+        return x
+    v = x.to(d)
+    step = torch.full_like(v, float("inf") if up else float("-inf"))
+    off = v.float() < x if up else v.float() > x
+    return torch.where(off, torch.nextafter(v, step), v).float()
+
+
+def value_interval(acc: torch.Tensor, slack: torch.Tensor, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi), fp32 holding ``d`` values, with lo <= stock's value <= hi, for values the head computed from an fp32
+    accumulator ``acc`` [N, m] within ``slack`` [N] of stock's accumulator, which stock rounds to ``d`` (round to
+    nearest, non-decreasing): lo = ``acc − slack`` rounded down to ``d``, hi = ``acc + slack`` rounded up, each
+    non-decreasing in ``acc`` (docs/certificates.md §2.0). Where slack is 0 (stock's own rows, ``acc`` its value)
+    lo = hi = acc. -inf stays -inf."""
+    y = acc.float()
+    s = slack.float()[:, None]
+    lo = _to_dtype(_down(y - s, 1), d, up=False)
+    hi = _to_dtype(_f32_up_n(y + s, 1), d, up=True)
+    exact = (s == 0) | ~torch.isfinite(y)
+    return torch.where(exact, y, lo), torch.where(exact, y, hi)
+
+
+def _sparse_undecided(rows: torch.Tensor, toks: torch.Tensor, vals: torch.Tensor, acc: torch.Tensor,
+                      slack: torch.Tensor, N: int, d: torch.dtype) -> torch.Tensor:
+    """bool [N]: rows whose argmax over the returned values (the first of equal ones, as ``argmax``) is not proven
+    stock's. w is stock's argmax when lo_w > hi_j for every other j with a lower index and lo_w >= hi_j for every j
+    with a higher one (a tie at stock's precision goes to the lower index). Tokens outside S are below w by the
+    certificate. Entries are the sparse values of the rows with slack > 0."""
+    dev = vals.device
+    und = torch.zeros(N, dtype=torch.bool, device=dev)
+    if vals.numel() == 0:
+        return und
+    ninf = torch.full((N,), float("-inf"), device=dev)
+    top = ninf.scatter_reduce(0, rows, vals, "amax", include_self=True)
+    is_top = vals == top[rows]
+    big = torch.full((N,), torch.iinfo(torch.int64).max, dtype=torch.long, device=dev)
+    w = big.scatter_reduce(0, rows[is_top], toks[is_top], "amin", include_self=True)
+    lo, hi = value_interval(acc[:, None], slack[rows], d)
+    lo, hi = lo[:, 0], hi[:, 0]
+    at_w = toks == w[rows]
+    lo_w = ninf.scatter_reduce(0, rows[at_w], lo[at_w], "amax", include_self=True)
+    before = toks < w[rows]
+    after = toks > w[rows]
+    hb = ninf.scatter_reduce(0, rows[before], hi[before], "amax", include_self=True)
+    ha = ninf.scatter_reduce(0, rows[after], hi[after], "amax", include_self=True)
+    has = torch.zeros(N, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
+    return has & (slack > 0) & ~((lo_w > hb) & (lo_w >= ha))
+
+
+def _f32_up_n(x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.nextafter(x, torch.full_like(x, float("inf")))
+    return x
+
+
+def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int = 0) -> bool:
+    """True when every probed column subset of ``F.linear(h, W, b)`` equals the full call's columns bit for bit."""
+    V, d = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    sizes = [s for s in (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257) if s <= V]
+    for rows in (1, 3):
+        H = torch.randn(rows, d, generator=g).to(weight.device, weight.dtype)
+        with torch.no_grad():
+            full = F.linear(H, weight, bias)
+            for n in sizes:
+                for cols in (torch.randperm(V, generator=g)[:n].sort().values, torch.arange(V - n, V),
+                             torch.arange(n) + int(torch.randint(0, V - n + 1, (1,), generator=g))):
+                    cols = cols.to(weight.device)
+                    sub = F.linear(H, weight[cols], None if bias is None else bias[cols])
+                    if not torch.equal(sub, full[:, cols]):
+                        return False
+    return True
 

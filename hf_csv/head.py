@@ -77,6 +77,9 @@ class StepStash:
     # [B, P, V] stock's head on all B·P rows, computed once by the first re-run that needs it: assisted decoding
     # checks up to P positions of one call, and each re-run used to repeat the whole GEMM (~0.2 s on Qwen-1.5B)
     stock_full: Optional[torch.Tensor] = None
+    # [B, P] fp32: each value of the row comes from an accumulator within slack of stock's (0: stock's own row)
+    slack: Optional[torch.Tensor] = None
+    acc: Optional[torch.Tensor] = None  # [B, P, V] fp32: our accumulators on S (hf_csv.certificate.value_interval)
 
     def position(self, input_len: int) -> int:
         """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
@@ -170,11 +173,28 @@ class CSVSession:
         self.note(reason, "full LM head for this call: ")
 
     def summary(self) -> dict:
-        d = self.stats.as_dict() if self.stats.rows else {"rows": 0}
+        """The call's statistics. ``certified_fraction`` is certified rows over every head row of the call (the
+        certified head's and those the speed guard sent to the full head); no field is None or NaN. ``summary``
+        is one line for people."""
+        d = self.stats.as_dict()
+        total = self.stats.rows + self.declined_rows
         d.update(mode=self.mode, reasons=list(self.reasons), head_calls=self.head_calls,
                  full_head_calls=self.full_calls, declined_rows=self.declined_rows,
-                 verify_reruns=self.verify_reruns)
+                 verify_reruns=self.verify_reruns, head_rows=total,
+                 certified_fraction=self.stats.certified / total if total else 0.0)
         d.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
+        full = total - self.stats.certified
+        if self.mode == "full":
+            d["summary"] = f"full head ({self.reasons[0] if self.reasons else 'declined'})"
+            return d
+        why = []
+        if self.declined_rows:
+            why.append(f"speed guard {self.declined_rows}")
+        if self.stats.fallback:
+            why.append(f"certificate {self.stats.fallback}")
+        d["summary"] = (f"certified {self.stats.certified}/{total} rows" + (f" (full head: {full}, " + ", ".join(why) + ")"
+                        if full and why else (f" (full head: {full})" if full else "")) +
+                        (f", mean |S| {100 * self.stats.mean_subvocab_fraction:.3g} % of V" if self.stats.certified else ""))
         return d
 
 
@@ -468,9 +488,11 @@ class CSVHead(nn.Module):
             noise = None if res.noise is None else res.noise.view(B, P, V)
             cut = None if res.cut is None else res.cut.view(B, P)
             upper = None if res.upper is None else res.upper.view(B, P, V)
+            slack = None if res.slack is None else res.slack.view(B, P)
+            acc = res.acc_dense().view(B, P, V) if res.slack is not None and res.acc is not None else None
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
                                   mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
-                                  noise=noise, cut=cut, upper=upper)
+                                  noise=noise, cut=cut, upper=upper, slack=slack, acc=acc)
             sess.spec_pending = mode == "spec"
         if gkey is not None:
             _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)

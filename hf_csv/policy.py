@@ -169,7 +169,23 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     the certified top-1 and record per-step normalizer bounds (hf_csv.whisper); sampling rounds use the full head.
     """
     session.lp_record, session.lp_steps = False, []
+    session.extra.pop("_own_draw", None)
     _decide(session, generation_config, processors)
+    why = _reads_values(session, generation_config)
+    if why is not None and not _subset_exact(session):
+        # stock's values on S are not this process's values (docs/certificates.md §2.0): a path that hands them to
+        # stock's sampler or scores is not exact here; hf_csv's own draw is (it decides within the slack)
+        if session.mode == "topk" and getattr(generation_config, "do_sample", False):
+            session.extra["_own_draw"] = True
+            _decide(session, generation_config, processors)
+            if session.mode == "sample":
+                session.note(f"{why}: this CPU's BLAS rounds a column subset differently from the full call, so "
+                             "hf_csv draws from stock's law itself (exact law, not stock's random stream)")
+        if session.mode != "sample":
+            session.reasons.clear()
+            session.set_full(f"{why}: needs stock's values on S bit for bit, and this CPU's BLAS rounds a column "
+                             "subset differently from the full call (docs/certificates.md §2.0)")
+            return session
     if session.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
             and session.mode != "full":
         if session.mode == "topk" and session.k == 1 and not getattr(generation_config, "do_sample", False) \
@@ -187,6 +203,39 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
             session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {session.mode!r} "
                              "round: full head")
     return session
+
+
+def _own_draw(session: CSVSession) -> bool:
+    """Sampling through the head's own exact draw (``CSVConfig(mode="sample")``, or where stock's values on S cannot
+    be had bit for bit)."""
+    return session.config.mode == "sample" or bool(session.extra.get("_own_draw"))
+
+
+def _subset_exact(session: CSVSession) -> bool:
+    probe = getattr(session.head, "subset_exact", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _reads_values(session: CSVSession, gc: Any) -> Optional[str]:
+    """Why this plan needs the values on S to be stock's bit for bit (it hands them to stock's sampler, verify or
+    timestamp / log-prob rules, or returns them as scores), or ``None`` where it only takes decisions that the
+    values' slack is checked against (greedy argmax, hf_csv's own draws) or serves a draft (any law is fine there)."""
+    if session.mode in ("full", "sample") or session.draft:
+        return None
+    if session.mode in ("threshold", "nucleus", "spec", "beam", "beam_exact"):
+        return f"mode {session.mode!r} (stock's warper or verify reads the values)"
+    if session.mode == "topk":
+        if getattr(gc, "do_sample", False):
+            return "top-k sampling with stock's sampler"
+        if session.ts_proc is not None or session.always:
+            return "Whisper's timestamp rule (it reads the timestamp block's values)"
+        if session.lp_record:
+            return "Whisper's avg-logprob rule"
+        if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
+            return "output_scores with CSVConfig(scores='subvocab')"
+        if session.k != 1:
+            return f"a certified top-{session.k} read by later processors"
+    return None
 
 
 def _decide(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
@@ -389,7 +438,7 @@ def _top_k_plan(session: CSVSession, processors: list, topks: list) -> bool:
     top-k, ...), stock's sampler and the speculative verify see exactly stock's vector. (An assistant's list holds
     the target's warpers and its own again: transformers 5.x passes the target's processors to the assistant's
     generate.) K is the first warper's k. Returns whether it was set."""
-    if not topks or session.config.mode == "sample":
+    if not topks or _own_draw(session):
         return False
     i = topks[0]
     top_k = int(processors[i].top_k)
@@ -424,7 +473,7 @@ def _min_p_plan(session: CSVSession, processors: list, topks: list) -> Optional[
     """Threshold mode for min-p sampling without a top-k (docs/certificates.md §3.3): the head computes
     every token within ``delta`` of the max, and the check right before the min-p warper proves that
     the warper keeps exactly stock's tokens. Returns None when set, else why not (the caller goes on)."""
-    if topks or session.config.mode == "sample":
+    if topks or _own_draw(session):
         return "top-k present or sample mode requested"
     names = [type(p).__name__ for p in processors]
     norms = [i for i, p in enumerate(processors) if classify_processor(p) == "norm"]
@@ -461,7 +510,7 @@ def _top_p_plan(session: CSVSession, processors: list, topks: list) -> bool:
     on S and an upper bound on every other token; the CSVLogitsProcessor takes the top-p warper's place and
     computes stock's nucleus from them where the bounds decide it (else the row gets the full head and stock's
     warper). Returns whether it was set."""
-    if topks or session.config.mode == "sample" or not session.post.identity:
+    if topks or _own_draw(session) or not session.post.identity:
         return False
     norms = [i for i, p in enumerate(processors) if classify_processor(p) == "norm"]
     if len(norms) != 1 or type(processors[norms[0]]).__name__ != "TopPLogitsWarper" or norms[0] != len(processors) - 1:

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from transformers import LogitsProcessor
 
-from .certificate import _f32_down, _f32_up
+from .certificate import _f32_down, _f32_up, value_interval
 from .errors import CSVError
 from .head import CSVSession, flush_guard
 from .policy import classify_processor
@@ -160,6 +160,8 @@ class CSVLogitsProcessor(LogitsProcessor):
             else:
                 kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
                 bad = ~(kth > ob)
+                if last.slack is not None and not sess.draft:
+                    bad |= self._set_undecided(input_ids, scores, sess, last, p, k, ob)
             if sess.lp_record:
                 out = self._rerun(input_ids, scores, sess, last, p, bad)
                 _record_lp(sess, input_ids, out, last, p, bad, ts)
@@ -171,6 +173,31 @@ class CSVLogitsProcessor(LogitsProcessor):
             kth = scores.float().topk(k, dim=1).values[:, -1]
             bad = ~(kth > ob)
         return self._rerun(input_ids, scores, sess, last, p, bad)
+
+    def _before_me(self, input_ids: torch.Tensor, x: torch.Tensor, sess: CSVSession) -> torch.Tensor:
+        """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
+        function of that score: "order" and "lower" kinds), as stock runs them."""
+        for proc in sess.processors or ():
+            if proc is self:
+                break
+            x = proc(input_ids, x)
+        return x
+
+    def _set_undecided(self, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
+        """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
+        are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
+        top k is stock's when min over T of f(lo) exceeds every other token's f(hi) and the bound outside S."""
+        slack = last.slack[:, p]
+        if last.acc is None or not bool((slack > 0).any()):
+            return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+        raw = last.logits[:, p]
+        lo, hi = value_interval(last.acc[:, p], slack, raw.dtype)
+        f_lo = self._before_me(input_ids, lo.to(raw.dtype), sess).float()
+        f_hi = self._before_me(input_ids, hi.to(raw.dtype), sess).float()
+        top = scores.float().topk(k, dim=1).indices
+        inside = f_lo.gather(1, top).amin(1)
+        others = f_hi.scatter(1, top, float("-inf")).amax(1)
+        return ~((inside > others) & (inside > ob)) & (slack > 0)
 
     def _draw(self, input_ids, scores, sess, last, p):
         """Sampling with lowering processors (docs/certificates.md §2.3): the Gumbel-max draw over the final

@@ -335,7 +335,8 @@ def test_smollm2_greedy_identical(dtype):
         a = m.generate(**x, max_new_tokens=20, do_sample=False)
         b = m.generate(**x, max_new_tokens=20, do_sample=False, csv_config=CSVConfig())
         st = m.csv_last_stats
-        assert st["mode"] == "topk" and st["certified_fraction"] > 0.9
+        # (a bf16 near-tie whose order the values' slack leaves open takes the full head: near_ties)
+        assert st["mode"] == "topk" and (st["certified"] + st["near_ties"]) / st["rows"] > 0.9
         # bf16 too: the certificate bounds stock's bf16 rounding and S holds stock's own values
         assert torch.equal(a, b)
     if dtype != torch.float32:

@@ -320,3 +320,69 @@ def test_custom_order_processor_reaches_the_sampling_law():
     if exp[-1] < 5:
         obs, exp = obs[:-1], exp[:-1]
     assert sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+
+
+# ------------------------------------------------------------------ 1. values on S that are not stock's bits
+def _perturbing_values(monkeypatch, seed=0):
+    """Make the head's recompute round like a BLAS whose column-subset GEMV differs from the full call in the last
+    bit (MKL's AVX-512 path does; docs/certificates.md §2.0): every value moves one fp32 ulp up or down at random."""
+    from hf_csv import certificate as C
+
+    orig = C.CertifiedHead._values
+    g = torch.Generator().manual_seed(seed)
+
+    def values(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        vals = out[0] if isinstance(out, tuple) else out
+        if vals.numel():
+            up = torch.rand(vals.shape, generator=g) < 0.5
+            nudged = torch.where(up, torch.nextafter(vals, torch.full_like(vals, float("inf"))),
+                                 torch.nextafter(vals, torch.full_like(vals, float("-inf"))))
+            vals = nudged
+        return (vals, *out[1:]) if isinstance(out, tuple) else vals
+
+    monkeypatch.setattr(C.CertifiedHead, "_values", values)
+
+
+def test_exact_ties_stay_stock_when_subset_values_differ_in_the_last_bit(monkeypatch):
+    """Duplicated head rows tie exactly in stock (argmax takes the lower index). With values on S one ulp off, a
+    certified greedy row returned 474 where stock returns 204; rows whose order the values' slack cannot decide now
+    take the full head."""
+    from hf_csv import CertifiedHead
+    import torch.nn.functional as F
+
+    _perturbing_values(monkeypatch)
+    torch.manual_seed(0)
+    W = torch.randn(4099, 64)
+    W[474] = W[204]
+    H = W[204][None].repeat(40, 1) + 0.05 * torch.randn(40, 64)
+    head = CertifiedHead(W)
+    res = head.topk(H, k=1)
+    stock = F.linear(H, W).argmax(1)
+    assert (stock == 204).sum() > 30
+    assert torch.equal(res.logits.argmax(1), stock)
+    assert res.stats.near_ties >= int((stock == 204).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rep", [1.0, 1.3])
+def test_greedy_with_duplicated_rows_is_stock_when_subset_values_differ(monkeypatch, dtype, rep):
+    """End to end: a tiny Llama whose head has duplicated rows (exact ties), greedy with and without a repetition
+    penalty, values on S nudged one ulp: stock's tokens."""
+    import copy
+
+    _perturbing_values(monkeypatch, seed=1)
+    ref = tiny_llama(vocab=512, scale=20.0)
+    with torch.no_grad():
+        W = ref.lm_head.weight
+        W[256:] = W[:256]  # every token has a twin above it
+    ref = ref.to(dtype)
+    m = hf_csv.enable(copy.deepcopy(ref))
+    for seed in range(3):
+        ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(seed))
+        kw = dict(max_new_tokens=8, do_sample=False, repetition_penalty=rep)
+        want = ref.generate(ids, **kw)
+        got = m.generate(ids, **kw, csv_config=CSVConfig())
+        assert torch.equal(got, want), (seed, got, want)
+        if rep == 1.0:
+            assert (want[:, 6:] < 256).all()  # stock takes the lower twin (a penalty lowers it once generated)
