@@ -677,22 +677,31 @@ class CertifiedHead:
         ks = [int(v) for kind, v in warps if kind == "top_k" and int(v) < V]
         warps = [(kind, v) for kind, v in warps if kind != "top_k" or int(v) < V]  # top-k >= V keeps all
         if ks:
+            k = min(ks[0], V)
             res = self._topk(Hf, Hn, ks[0], d)
             S, bound = res.mask, res.bound
             before = self._law(res.logits, d, post, warps, stop_at_topk=True, mask=S)
             ob = self._law(bound[:, None], d, post, warps, stop_at_topk=True)[:, 0]
-            kth = before.topk(min(ks[0], V), dim=1).values[:, -1]
+            kth = before.topk(k, dim=1).values[:, -1]
             bad = ~(ob < kth) & (bound > float("-inf"))  # an uncomputed token could reach the top-k
-            if bool(bad.any()):
-                idx = bad.nonzero(as_tuple=True)[0]
-                res.logits[idx] = self._stock_rows(Hf, Hn, d)[idx]
-                S[idx] = True
-                res.bound[idx] = float("-inf")
-                res.stats.certified -= len(idx)
-                res.stats.fallback += len(idx)
+            # the values' slack (§2.0): the top-k set T of our values must be stock's (min over T of the lower law
+            # above every other token's upper one), and the Gumbel winner must win within the slack too
+            lo, hi = value_interval(res.acc_dense(), res.slack, d)
+            T = before.topk(k, dim=1).indices
+            inside = self._law(lo, d, post, warps, stop_at_topk=True, mask=S).gather(1, T).amin(1)
+            others = self._law(hi, d, post, warps, stop_at_topk=True, mask=S).scatter(1, T, float("-inf")).amax(1)
+            bad |= ~(inside > others) & (res.slack > 0)
+            g = noise if noise is not None else gumbel_noise(before.shape, Hf.device, generator)
+            inT = torch.zeros_like(S).scatter_(1, T, True)
             law = self._law(res.logits, d, post, warps, mask=S)
-            g = noise if noise is not None else gumbel_noise(law.shape, Hf.device, generator)
             res.tokens = (law + g).argmax(1)
+            bad |= _draw_undecided(res.tokens, g, self._law(lo, d, post, warps, mask=inT),
+                                   self._law(hi, d, post, warps, mask=inT)) & (res.slack > 0)
+            if bool(bad.any()):
+                self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
+                res.stats.near_ties -= int(bad.sum())  # counted as fallbacks, not all are ties
+                law = self._law(res.logits, d, post, warps, mask=S)
+                res.tokens = (law + g).argmax(1)
             if with_conf:
                 r = torch.arange(N, device=Hf.device)
                 res.conf = torch.softmax(law, 1)[r, res.tokens]
@@ -713,13 +722,30 @@ class CertifiedHead:
         logits, info = self._dense(S, Hf, Hn, d, stats, U)
         law = self._law(logits, d, post, warps, mask=S)
         tokens = (law + g).argmax(1)
+        slack = info.slack
+        if bool((slack > 0).any()):
+            # the winner must win for every value of stock's within the slack (§2.0), and reach the cut
+            acc = logits.float().clone()
+            acc[info.rows, info.toks] = info.acc
+            lo, hi = value_interval(acc, slack, d)
+            law_lo = self._law(lo, d, post, warps, mask=S)
+            und = _draw_undecided(tokens, g, law_lo, self._law(hi, d, post, warps, mask=S))
+            und |= ~((law_lo.gather(1, tokens[:, None])[:, 0] + g[rows, tokens]) >= t)
+            und &= slack > 0
+            if bool(und.any()):
+                self._to_stock(und, logits, S, None, slack, Hf, Hn, d, stats)
+                info.complete = info.complete | und
+                law = self._law(logits, d, post, warps, mask=S)
+                tokens = (law + g).argmax(1)
         cut = t.masked_fill(info.complete, float("-inf"))
         conf = None
         if with_conf:
             est_law = torch.where(S, law, heur)
             conf = (law[rows, tokens] - torch.logsumexp(est_law, 1)).exp()
+        keep = ~info.complete[info.rows]
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,
-                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut, conf=conf)
+                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut, conf=conf,
+                          slack=slack, acc=(info.rows[keep], info.toks[keep], info.acc[keep]))
 
 
 @dataclass
@@ -896,4 +922,14 @@ def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int
                     if not torch.equal(sub, full[:, cols]):
                         return False
     return True
+
+
+def _draw_undecided(tokens: torch.Tensor, g: torch.Tensor, law_lo: torch.Tensor, law_hi: torch.Tensor) -> torch.Tensor:
+    """bool [N]: rows where the Gumbel-max winner ``tokens`` could lose for some law within [law_lo, law_hi]: it wins
+    for every such law when fl(law_lo_w + g_w) > fl(law_hi_j + g_j) for every other j (fl(x + g) is non-decreasing in
+    x). -inf entries never compete."""
+    w = tokens[:, None]
+    mine = (law_lo.gather(1, w) + g.gather(1, w))[:, 0]
+    rest = (law_hi + g).scatter(1, w, float("-inf")).amax(1)
+    return ~(mine > rest)
 

@@ -210,6 +210,16 @@ class CSVLogitsProcessor(LogitsProcessor):
         win = val.max(1)
         bad = ~(win.values >= last.cut[:, p]) | ~torch.isfinite(win.values)
         tok = win.indices
+        slack = last.slack[:, p] if last.slack is not None else None
+        if slack is not None and last.acc is not None and bool((slack > 0).any()):
+            # the winner must win for every processed score within the values' slack, and reach the cut (§2.0)
+            raw = last.logits[:, p]
+            lo, hi = value_interval(last.acc[:, p], slack, raw.dtype)
+            f_lo = self._before_me(input_ids, lo.to(raw.dtype), sess).float()
+            f_hi = self._before_me(input_ids, hi.to(raw.dtype), sess).float()
+            mine = (f_lo.gather(1, tok[:, None]) + g.gather(1, tok[:, None]))[:, 0]
+            rest = (f_hi + g).scatter(1, tok[:, None], float("-inf")).amax(1)
+            bad |= ~((mine > rest) & (mine >= last.cut[:, p])) & (slack > 0)
         if bool(bad.any()):
             idx = bad.nonzero(as_tuple=True)[0]
             full = self._rerun(input_ids, scores, sess, last, p, bad)
