@@ -417,7 +417,7 @@ class CSVHead(nn.Module):
         if guard is not None and guard.enabled():
             flush_guard(sess)  # a record the processor did not complete (it did not run after that head call)
             gkey = guard_key(sess, H.shape[0])
-            if not guard.certified(gkey):
+            if not guard.certified(gkey, rows=H.shape[0]):
                 sess.note("the full head is measured faster than the certified one for this shape, or is being "
                           "re-measured (a periodic probe of the speed guard, hf_csv.speed)")
                 t0 = time.perf_counter()

