@@ -241,9 +241,10 @@ class VocabIndex:
         radius = torch.zeros(C, dtype=torch.float64)
         for lo in range(0, V, 16384):  # chunked: no V x d float64 copy
             hi = min(V, lo + 16384)
-            X = W[lo:hi].double()
-            if spherical:
-                X = X / norms[lo:hi].double().clamp(min=1e-30)[:, None]
+            X = W[lo:hi]
+            if spherical:  # normalized in float32, as build() does
+                X = X / norms[lo:hi].clamp(min=1e-30)[:, None]
+            X = X.double()
             radius.scatter_reduce_(0, a[lo:hi], (X - cent.double()[a[lo:hi]]).norm(dim=1), "amax", include_self=True)
         radius = (radius * (1 + 1e-6) + 1e-7).float()  # as build(): the same head gives the same bits
         inf = torch.tensor(float("inf"))

@@ -22,6 +22,9 @@ from hf_csv.errors import CSVError
 
 from test_differential import _inputs, _model, _seqs
 
+# these paths hand the values on S to stock (docs/certificates.md §2.0): their machinery under that property
+pytestmark = pytest.mark.usefixtures("assume_subset_exact")
+
 EXACT = {"beam_search": "exact", "budget": 0.5}
 
 CASES = [

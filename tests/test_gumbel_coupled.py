@@ -19,6 +19,9 @@ from hf_csv.verify import gumbel_reference
 from hf_csv_kernels.verify import KeyedGumbel, gumbel_coupled_verify
 from test_assisted_sampling import ALPHA, _llama, _two_sample_p
 
+# these paths hand the values on S to stock (docs/certificates.md §2.0): their machinery under that property
+pytestmark = pytest.mark.usefixtures("assume_subset_exact")
+
 IDS = torch.tensor([[5, 17, 33, 2, 9]])
 
 SETTINGS = {

@@ -11,6 +11,9 @@ from conftest import model_dir, tokenizer
 from hf_csv import CSVConfig
 from test_generate import _ids, tiny_llama
 
+# these paths hand the values on S to stock (docs/certificates.md §2.0): their machinery under that property
+pytestmark = pytest.mark.usefixtures("assume_subset_exact")
+
 SETTINGS = [dict(top_p=0.9, top_k=0), dict(top_p=0.5, top_k=0, temperature=0.7),
             dict(top_p=0.95, top_k=0, repetition_penalty=1.3), dict(top_p=0.8, top_k=0, no_repeat_ngram_size=2)]
 

@@ -411,3 +411,43 @@ def test_speed_guard_prior_starts_large_calls_on_the_full_head():
         c = g2.certified(big, rows=64)
         g2.record(big, c, 0.05 if c else 0.1)
     assert all(g2.certified(big, rows=64) for _ in range(5))
+
+
+# ------------------------------------------------------------------ 1b. the gate of the value-reading plans
+@pytest.mark.parametrize("exact", [True, False])
+def test_value_reading_plans_need_the_subset_probe(monkeypatch, exact):
+    """Where a probe found a column subset rounding differently from the full call, plans that hand the values to
+    stock's sampler use hf_csv's own draw (top-k with temperature) or the full head (min-p, top-k with top-p), and
+    greedy stays certified; where it found none, the stock-stream plans run."""
+    from hf_csv.certificate import CertifiedHead
+
+    monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: exact)
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = _ids()
+    want = {"greedy": "topk", "topk": "topk" if exact else "sample", "minp": "threshold" if exact else "full",
+            "topk_topp": "topk" if exact else "full"}
+    calls = {"greedy": dict(do_sample=False), "topk": dict(do_sample=True, top_k=20, temperature=0.8),
+             "minp": dict(do_sample=True, top_k=0, min_p=0.1), "topk_topp": dict(do_sample=True, top_k=20, top_p=0.9)}
+    for name, kw in calls.items():
+        m.generate(**x, max_new_tokens=3, csv_config=CSVConfig(), **kw)
+        st = m.csv_last_stats
+        assert st["mode"] == want[name], (name, st["mode"], st["reasons"])
+        if not exact and name != "greedy":
+            assert any("column subset" in r for r in st["reasons"]), st["reasons"]
+
+
+def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch):
+    """The probe itself: a linear whose subset calls differ in the last bit is found; an exact one is not."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+
+    W = torch.randn(300, 16)
+    assert C._probe_subsets(W, None) in (True, False)  # this host's answer, whichever it is
+    real = F.linear
+
+    def nudged(h, w, b=None):
+        out = real(h, w, b)
+        return out if w.shape[0] == W.shape[0] else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(C.F, "linear", nudged)
+    assert C._probe_subsets(W, None) is False

@@ -15,6 +15,9 @@ from hf_csv import CSVConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_whisper_timestamps import _feats, long_clip, tiny_en, tiny_ts_whisper  # noqa: E402,F401
 
+# these paths hand the values on S to stock (docs/certificates.md §2.0): their machinery under that property
+pytestmark = pytest.mark.usefixtures("assume_subset_exact")
+
 FALLBACK = dict(temperature=(0.0, 0.4, 0.8), compression_ratio_threshold=2.4, no_speech_threshold=0.6)
 
 
