@@ -339,7 +339,7 @@ class CertifiedHead:
         if bool(special.any()):
             slack[idx] = 0.0  # stock's own op on all rows of the call
         return logits, _Dense(rows=r, vals=vals, special=bool(special.any()), over=over, complete=over | (counts == V),
-                              slack=slack, toks=t, acc=acc)
+                              slack=slack, toks=t, acc=acc, ent=ent)
 
     def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
         """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
@@ -479,12 +479,12 @@ class CertifiedHead:
         slack = info.slack
         if k == 1 and decide and bool((slack > 0).any()):
             # the argmax must not depend on where in its slack stock's value lies (docs/certificates.md §2.0)
-            und = _sparse_undecided(info.rows, info.toks, info.vals, info.acc, slack, N, d)
+            und = _sparse_undecided(info.rows, info.toks, info.vals, info.acc, info.ent, N, d) & (slack > 0)
             if bool(und.any()):
                 self._to_stock(und, logits, S, bound, slack, Hf, Hn, d, stats)
                 keep = ~und[info.rows]
-                info.rows, info.toks, info.vals, info.acc = (info.rows[keep], info.toks[keep], info.vals[keep],
-                                                             info.acc[keep])
+                info.rows, info.toks, info.vals, info.acc, info.ent = (info.rows[keep], info.toks[keep],
+                                                                       info.vals[keep], info.acc[keep], info.ent[keep])
         upper = U + E[:, None] if with_upper else None  # |stock − real| <= E
         return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper, slack=slack,
                           acc=(info.rows, info.toks, info.acc))
@@ -758,6 +758,7 @@ class _Dense:
     slack: torch.Tensor  # fp32 [N]: |our accumulator − stock's| <= slack on every value of the row (0: stock's row)
     toks: torch.Tensor  # token of each sparse value
     acc: torch.Tensor  # our fp32 accumulator of each sparse value (vals is it rounded to the value dtype)
+    ent: torch.Tensor  # each sparse value's own slack (the row's slack is their largest)
 
 
 def _down(x: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -873,11 +874,11 @@ def value_interval(acc: torch.Tensor, slack: torch.Tensor, d: torch.dtype) -> tu
 
 
 def _sparse_undecided(rows: torch.Tensor, toks: torch.Tensor, vals: torch.Tensor, acc: torch.Tensor,
-                      slack: torch.Tensor, N: int, d: torch.dtype) -> torch.Tensor:
+                      ent: torch.Tensor, N: int, d: torch.dtype) -> torch.Tensor:
     """bool [N]: rows whose argmax over the returned values (the first of equal ones, as ``argmax``) is not proven
     stock's. w is stock's argmax when lo_w > hi_j for every other j with a lower index and lo_w >= hi_j for every j
     with a higher one (a tie at stock's precision goes to the lower index). Tokens outside S are below w by the
-    certificate. Entries are the sparse values of the rows with slack > 0."""
+    certificate. Entries are the sparse values, each with its own slack ``ent`` (0: stock's own value)."""
     dev = vals.device
     und = torch.zeros(N, dtype=torch.bool, device=dev)
     if vals.numel() == 0:
@@ -887,7 +888,7 @@ def _sparse_undecided(rows: torch.Tensor, toks: torch.Tensor, vals: torch.Tensor
     is_top = vals == top[rows]
     big = torch.full((N,), torch.iinfo(torch.int64).max, dtype=torch.long, device=dev)
     w = big.scatter_reduce(0, rows[is_top], toks[is_top], "amin", include_self=True)
-    lo, hi = value_interval(acc[:, None], slack[rows], d)
+    lo, hi = value_interval(acc[:, None], ent, d)
     lo, hi = lo[:, 0], hi[:, 0]
     at_w = toks == w[rows]
     lo_w = ninf.scatter_reduce(0, rows[at_w], lo[at_w], "amax", include_self=True)
@@ -896,7 +897,7 @@ def _sparse_undecided(rows: torch.Tensor, toks: torch.Tensor, vals: torch.Tensor
     hb = ninf.scatter_reduce(0, rows[before], hi[before], "amax", include_self=True)
     ha = ninf.scatter_reduce(0, rows[after], hi[after], "amax", include_self=True)
     has = torch.zeros(N, dtype=torch.bool, device=dev).index_fill_(0, rows, True)
-    return has & (slack > 0) & ~((lo_w > hb) & (lo_w >= ha))
+    return has & ~((lo_w > hb) & (lo_w >= ha))
 
 
 def _f32_up_n(x: torch.Tensor, n: int = 1) -> torch.Tensor:

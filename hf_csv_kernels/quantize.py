@@ -313,8 +313,8 @@ def _check_codes(q: torch.Tensor, scale: torch.Tensor) -> None:
 def _check_scale_size(rows: Int8Rows) -> Int8Rows:
     """A scale far above the head's own row keeps the float steps of the estimate and its radius from staying
     finite (an overflowing estimate plus an infinite radius is NaN, and a NaN upper bound admits no token): every
-    scale must be at most 2·||W_i||_1 (the quantizer's is max_j |W_ij| / 127), or tiny."""
-    cap = rows.abs_l1 * 2 + 2.0 ** -100
+    scale must be at most max(2·||W_i||_1, 1) (the quantizer's is max_j |W_ij| / 127, or 1 for a zero row)."""
+    cap = (rows.abs_l1 * 2).clamp(min=1.0)  # (the quantizer gives a zero row scale 1: finite codes, finite terms)
     bad = rows.scale > cap
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])

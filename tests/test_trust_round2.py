@@ -201,7 +201,7 @@ def test_unmutated_artifact_certifies(art_base):
 
 
 @pytest.mark.parametrize("key,name,fn", _tensor_mutations(), ids=lambda v: v if isinstance(v, str) else "")
-def test_hostile_screen_tensor_refused_or_stock(art_base, tmp_path, key, name, fn):
+def test_hostile_screen_tensor_refused_or_stock(art_base, tmp_path, key, name, fn, assume_subset_exact):
     """Every stored tensor mutated (the sha256 in the config updated, as a hostile uploader would): refused with
     a clear error, or stock's tokens. Negated or NaN scales gave 6/6 wrong certified calls before."""
     import json
@@ -227,7 +227,7 @@ def test_hostile_screen_tensor_refused_or_stock(art_base, tmp_path, key, name, f
 
 
 @pytest.mark.parametrize("field,value", _config_mutations(), ids=str)
-def test_hostile_artifact_config_refused_or_stock(art_base, tmp_path, field, value):
+def test_hostile_artifact_config_refused_or_stock(art_base, tmp_path, field, value, assume_subset_exact):
     import json
     import shutil
 
