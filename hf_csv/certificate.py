@@ -684,6 +684,7 @@ class CertifiedHead:
             ob = self._law(bound[:, None], d, post, warps, stop_at_topk=True)[:, 0]
             kth = before.topk(k, dim=1).values[:, -1]
             bad = ~(ob < kth) & (bound > float("-inf"))  # an uncomputed token could reach the top-k
+            reach = bad.clone()  # (fallbacks, not ties: not counted in near_ties)
             # the values' slack (§2.0): the top-k set T of our values must be stock's (min over T of the lower law
             # above every other token's upper one), and the Gumbel winner must win within the slack too
             lo, hi = value_interval(res.acc_dense(), res.slack, d)
@@ -699,7 +700,7 @@ class CertifiedHead:
                                    self._law(hi, d, post, warps, mask=inT)) & (res.slack > 0)
             if bool(bad.any()):
                 self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
-                res.stats.near_ties -= int(bad.sum())  # counted as fallbacks, not all are ties
+                res.stats.near_ties -= int(reach.sum())
                 law = self._law(res.logits, d, post, warps, mask=S)
                 res.tokens = (law + g).argmax(1)
             if with_conf:
