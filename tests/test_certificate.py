@@ -39,8 +39,9 @@ def test_topk_matches_full(head, k, provider):
     full = ch.full(H)
     on = torch.isfinite(res.logits)
     assert torch.allclose(res.logits[on].double(), full[on].double(), rtol=0, atol=float(_tol(W, H).max()) * 2)
-    # every token outside S is provably below the k-th value
-    assert res.stats.certified == H.shape[0]
+    # every token outside S is provably below the k-th value; a top-1 row whose top-2 gap is within the values'
+    # slack takes stock's whole row (near_ties, docs/certificates.md §2.0)
+    assert res.stats.certified + res.stats.near_ties == H.shape[0]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
