@@ -115,10 +115,7 @@ class CertResult:
 
     def acc_dense(self) -> torch.Tensor:
         """[N, V] fp32: our accumulator on gathered entries, the returned value elsewhere (stock's own rows, -inf)."""
-        out = self.logits.float().clone()
-        if self.acc is not None and self.acc[0].numel():
-            out[self.acc[0], self.acc[1]] = self.acc[2]
-        return out
+        return _acc_dense(self.logits, *(self.acc if self.acc is not None else (None, None, None)))
 
 
 class CertifiedHead:
@@ -448,7 +445,7 @@ class CertifiedHead:
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
-              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None, decide: bool = True) -> CertResult:
+              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -477,7 +474,7 @@ class CertifiedHead:
         logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always)
         bound = bound.masked_fill(info.complete, float("-inf"))
         slack = info.slack
-        if k == 1 and decide and bool((slack > 0).any()):
+        if k == 1 and bool((slack > 0).any()):
             # the argmax must not depend on where in its slack stock's value lies (docs/certificates.md §2.0)
             und = _sparse_undecided(info.rows, info.toks, info.vals, info.acc, info.ent, N, d) & (slack > 0)
             if bool(und.any()):
@@ -726,9 +723,7 @@ class CertifiedHead:
         slack = info.slack
         if bool((slack > 0).any()):
             # the winner must win for every value of stock's within the slack (§2.0), and reach the cut
-            acc = logits.float().clone()
-            acc[info.rows, info.toks] = info.acc
-            lo, hi = value_interval(acc, slack, d)
+            lo, hi = value_interval(_acc_dense(logits, info.rows, info.toks, info.acc), slack, d)
             law_lo = self._law(lo, d, post, warps, mask=S)
             und = _draw_undecided(tokens, g, law_lo, self._law(hi, d, post, warps, mask=S))
             und |= ~((law_lo.gather(1, tokens[:, None])[:, 0] + g[rows, tokens]) >= t)
@@ -833,23 +828,6 @@ def _f32_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
 
 
-def _sparse_top2(rows: torch.Tensor, vals: torch.Tensor, N: int) -> torch.Tensor:
-    """Per-row two largest of the sparse (row, value) pairs, -inf where a row has fewer: [N, 2]."""
-    out = torch.full((N, 2), float("-inf"), dtype=vals.dtype, device=vals.device)
-    if vals.numel() == 0:
-        return out
-    order = torch.argsort(vals, descending=True, stable=True)
-    r = rows[order]
-    order2 = torch.argsort(r, stable=True)  # grouped by row, descending values within a row
-    r, v = r[order2], vals[order][order2]
-    counts = torch.bincount(r, minlength=N)
-    start = torch.cumsum(counts, 0) - counts
-    has1, has2 = counts >= 1, counts >= 2
-    out[has1, 0] = v[start[has1]]
-    out[has2, 1] = v[start[has2] + 1]
-    return out
-
-
 def _to_dtype(x: torch.Tensor, d: torch.dtype, up: bool) -> torch.Tensor:
     """fp32 ``x`` rounded to ``d`` toward +inf (``up``) or -inf, as fp32 holding a ``d`` value."""
     if d == torch.float32:
@@ -934,4 +912,13 @@ def _draw_undecided(tokens: torch.Tensor, g: torch.Tensor, law_lo: torch.Tensor,
     mine = (law_lo.gather(1, w) + g.gather(1, w))[:, 0]
     rest = (law_hi + g).scatter(1, w, float("-inf")).amax(1)
     return ~(mine > rest)
+
+
+def _acc_dense(logits: torch.Tensor, rows: Optional[torch.Tensor], toks: Optional[torch.Tensor],
+               acc: Optional[torch.Tensor]) -> torch.Tensor:
+    """[N, V] fp32: the accumulators ``acc`` at (rows, toks), the returned ``logits`` elsewhere."""
+    out = logits.float().clone()
+    if rows is not None and rows.numel():
+        out[rows, toks] = acc
+    return out
 

@@ -183,6 +183,14 @@ class CSVLogitsProcessor(LogitsProcessor):
             x = proc(input_ids, x)
         return x
 
+    def _processed_interval(self, input_ids, sess, last, p) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f(lo), f(hi)) fp32 [B, V]: the processors before this one applied to the bounds of stock's values at
+        position ``p`` (hf_csv.certificate.value_interval); each token's processed score lies between them."""
+        raw = last.logits[:, p]
+        lo, hi = value_interval(last.acc[:, p], last.slack[:, p], raw.dtype)
+        return (self._before_me(input_ids, lo.to(raw.dtype), sess).float(),
+                self._before_me(input_ids, hi.to(raw.dtype), sess).float())
+
     def _set_undecided(self, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
         """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
         are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
@@ -190,10 +198,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         slack = last.slack[:, p]
         if last.acc is None or not bool((slack > 0).any()):
             return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-        raw = last.logits[:, p]
-        lo, hi = value_interval(last.acc[:, p], slack, raw.dtype)
-        f_lo = self._before_me(input_ids, lo.to(raw.dtype), sess).float()
-        f_hi = self._before_me(input_ids, hi.to(raw.dtype), sess).float()
+        f_lo, f_hi = self._processed_interval(input_ids, sess, last, p)
         top = scores.float().topk(k, dim=1).indices
         inside = f_lo.gather(1, top).amin(1)
         others = f_hi.scatter(1, top, float("-inf")).amax(1)
@@ -213,10 +218,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         slack = last.slack[:, p] if last.slack is not None else None
         if slack is not None and last.acc is not None and bool((slack > 0).any()):
             # the winner must win for every processed score within the values' slack, and reach the cut (§2.0)
-            raw = last.logits[:, p]
-            lo, hi = value_interval(last.acc[:, p], slack, raw.dtype)
-            f_lo = self._before_me(input_ids, lo.to(raw.dtype), sess).float()
-            f_hi = self._before_me(input_ids, hi.to(raw.dtype), sess).float()
+            f_lo, f_hi = self._processed_interval(input_ids, sess, last, p)
             mine = (f_lo.gather(1, tok[:, None]) + g.gather(1, tok[:, None]))[:, 0]
             rest = (f_hi + g).scatter(1, tok[:, None], float("-inf")).amax(1)
             bad |= ~((mine > rest) & (mine >= last.cut[:, p])) & (slack > 0)
