@@ -297,17 +297,21 @@ def _stock_law(m, c: dict, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 def _law_check(m, c: dict, inputs: dict, n_sampling: int) -> tuple[bool, str]:
     """First-token chi-square (Bonferroni over the sampling cases) + support at every step."""
-    ids, mask = inputs["input_ids"][:1], inputs["attention_mask"][:1]
-    p = _stock_law(m, c, ids, mask)[0].numpy()
+    ids, mask = inputs["input_ids"][:1].repeat(DRAWS, 1), inputs["attention_mask"][:1].repeat(DRAWS, 1)
+    # stock's law at the draws' own batch shape, row by row: stock's hidden states (hence near-tied logits and a
+    # top-k set's boundary) depend on the batch size, so the batch-1 law is not the reference for a batch of DRAWS
+    P = _stock_law(m, c, ids, mask).numpy()
     torch.manual_seed(c["id"])
-    out = _gen(m, c, {"input_ids": ids.repeat(DRAWS, 1), "attention_mask": mask.repeat(DRAWS, 1)}, True,
+    out = _gen(m, c, {"input_ids": ids, "attention_mask": mask}, True,
                max_new_tokens=1, return_dict_in_generate=False, output_scores=False)
     st = m.csv_last_stats
     if st["mode"] == "full":
         return True, ""  # declined at this shape: the full head is stock's sampler
     draws = out[:, -1].numpy()
-    if (p[draws] == 0).any():
-        return False, f"draws outside stock's support: {sorted(set(draws[p[draws] == 0].tolist()))}"
+    outside = P[np.arange(len(draws)), draws] == 0
+    if outside.any():
+        return False, f"draws outside stock's support: {sorted(set(draws[outside].tolist()))}"
+    p = P.mean(0)  # the expected count of a token is the sum of its rows' probabilities
     counts = np.bincount(draws, minlength=len(p))
     keep = p * DRAWS >= 5
     obs, exp = counts[keep].astype(float), p[keep] * DRAWS
