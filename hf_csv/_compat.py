@@ -1,6 +1,6 @@
 """The one place that knows each supported transformers version and its patch points.
 
-hf_csv touches transformers at these documented points only (docs/processors.md, DESIGN.md §5):
+hf_csv touches transformers at these documented points only (docs/processors.md):
 
 * ``GenerationMixin._get_logits_processor`` / ``_get_stopping_criteria`` / ``_get_candidate_generator``
   (instance-level overrides: stock result first, then hf_csv inspects it);

@@ -4,7 +4,7 @@ Every provider returns ``(est, upper)`` with ``upper[r, i] >= ℓ_i(h_r)`` for t
 logit (soundness, property-tested in tests/test_bounds.py) and ``est`` a cheap estimate used
 only to pick seed tokens (correctness never depends on it).
 
-* :class:`ScreenProvider` – the certified int8 screen (DESIGN.md §2). This is the one that prunes.
+* :class:`ScreenProvider` – the certified int8 screen (docs/certificates.md §1.1). This is the one that prunes.
 * :class:`ClusterProvider` – the paper's centroid + radius + bias bound from a :class:`VocabIndex`
   (Euclidean, or the sound spherical variant). Sound, but on real heads it opens almost all of V.
 

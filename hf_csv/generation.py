@@ -7,7 +7,7 @@ Use::
     out = model.generate(**inputs, csv_config=hf_csv.CSVConfig())
 
 ``enable`` sets an instance-level ``generate`` that pops ``csv_config`` before the class's
-``generate`` (whose ``_validate_model_kwargs`` rejects unknown kwargs, DESIGN.md §5). Without
+``generate`` (whose ``_validate_model_kwargs`` rejects unknown kwargs). Without
 ``csv_config`` it calls the class's ``generate`` directly: bitwise stock, modules untouched.
 ``install()`` does the same for every model by patching ``GenerationMixin.generate`` (and
 Whisper's override); ``uninstall()`` restores them.
