@@ -130,6 +130,13 @@ class ScreenData:
         return c.long() if c.numel() else None
 
 
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a Hub id: Hub ids are ``NAME`` or ``ORG/NAME``, with no leading ``.``/``/``/``~``,
+    no backslash and at most one ``/``."""
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+            or (len(name) > 1 and name[1] == ":"))
+
+
 class CSVArtifact:
     """A head's screen and (optionally) cluster index, with ``save_pretrained`` / ``from_pretrained`` /
     ``push_to_hub``. Use it through ``CSVConfig(index=DIR_OR_REPO)``: the head then skips quantization."""
@@ -252,8 +259,14 @@ class CSVArtifact:
         ``defer_verify`` the check is still running when this returns: call :meth:`wait_verified` before trusting
         the files (hf_csv's head does, before it hands out a head built from them; the screen's error terms are
         recomputed from the live head anyway, so soundness never rests on the files)."""
-        path = Path(pretrained)
+        path = Path(pretrained).expanduser()
         if not path.is_dir():
+            if _looks_like_path(str(pretrained)) or path.exists():
+                # a mistyped local path would otherwise surface as a Hub error naming neither the path nor CSVConfig
+                raise IndexFormatError(
+                    f"no artifact at {str(pretrained)!r}: " + ("a file, not an artifact directory" if path.exists()
+                                                              else "no such directory") +
+                    " (CSVConfig(index=...) takes a local artifact directory or a Hub repo id ORG/NAME)")
             path = Path(hub.download(str(pretrained), ARTIFACT_FILES, revision=revision, **hub_kwargs))
         art = cls._load_dir(path, verify=verify)
         if not defer_verify:

@@ -36,7 +36,7 @@ def download(repo_id: str, allow_patterns: list, revision: Optional[str] = None,
     """Download (or find in the cache) the files of ``repo_id`` matching ``allow_patterns``; returns the
     local snapshot directory. With ``HF_HUB_OFFLINE=1`` (or ``local_files_only=True``) only the cache is used."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     if local_files_only is None:
         local_files_only = _offline()
@@ -45,6 +45,11 @@ def download(repo_id: str, allow_patterns: list, revision: Optional[str] = None,
                                  local_files_only=local_files_only, allow_patterns=allow_patterns, endpoint=endpoint)
     except HFValidationError as e:
         raise ValueError(f"{repo_id!r} is neither a local artifact directory nor a valid Hub repo id: {e}") from e
+    except (LocalEntryNotFoundError, RepositoryNotFoundError) as e:
+        # name both readings of the string: a mistyped local path reads as a Hub id here
+        where = ("not in the local Hub cache (offline: HF_HUB_OFFLINE=1 or local_files_only)"
+                 if isinstance(e, LocalEntryNotFoundError) else "repo not found on the Hub")
+        raise IndexFormatError(f"no artifact at {repo_id!r}: no such local directory, and {where}") from e
     if not any((Path(path) / p).is_file() for p in allow_patterns if "*" not in p and p != "README.md"):
         raise IndexFormatError(f"Hub repo {repo_id!r} (revision {revision!r}) holds no hf_csv artifact")
     return path

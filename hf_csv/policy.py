@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from .head import CSVSession, guard_key
+from .head import CSVSession, _tlog, guard_key
 from .static import StaticTopK
 
 __all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
@@ -135,6 +135,15 @@ _BEAM_PROCESSORS = frozenset({
     "MinNewTokensLengthLogitsProcessor", "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor",
     "NoBadWordsLogitsProcessor", "PrefixConstrainedLogitsProcessor", "SuppressTokensLogitsProcessor",
     "SuppressTokensAtBeginLogitsProcessor"})
+
+
+def _warn_beams(session: CSVSession, num_beams: int) -> None:
+    """One warning per call where beam search leaves the whole call on the full head: the ASR pipeline asks for
+    5 beams by default, so its users would otherwise get nothing certified and no word of it (INFO is silent)."""
+    if num_beams > 1:
+        _tlog().warning("hf_csv: num_beams=%d runs the full LM head for this call (nothing certified). Pass "
+                        "num_beams=1 for the certified path (ASR pipeline: generate_kwargs={'num_beams': 1}).",
+                        num_beams)
 
 
 def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Optional[str]:
@@ -333,6 +342,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                 "(docs/benchmarks.md §9.9), and CSVConfig(mode='epsilon') the approximate beam_epsilon one")
             if why is not None:
                 session.set_full(why)
+                _warn_beams(session, num_beams)
                 return session
             # token-identical beam search (docs/certificates.md §3.10): S holds every row's top beams_to_keep
             eos = getattr(gc, "eos_token_id", None)
@@ -406,6 +416,7 @@ def _timestamp_plan(session: CSVSession, processors: list, kinds: dict, do_sampl
     if do_sample or num_beams > 1:
         session.set_full("Whisper timestamps with sampling (temperature fallback) or beam search: the timestamp "
                          "rule's logsumexp is certified for greedy decoding only")
+        _warn_beams(session, num_beams)
         return session
     names = [type(p).__name__ for p in processors]
     ts = [i for i, n in enumerate(names) if classify_processor(processors[i]) == "timestamps"]

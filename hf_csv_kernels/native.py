@@ -152,8 +152,13 @@ def _load() -> Optional[ctypes.CDLL]:
                     try:
                         _lib = _build()
                     except Exception as e:  # no compiler, a failed build, a library that will not load
-                        _why = f"could not build the kernel: {e}"
-            if _why is not None:
+                        _why = f"could not build the native int8 kernel ({e})"
+            if _why is not None and _why.startswith("could not build"):
+                # a fixable cause (no compiler, a broken toolchain): say it once, at WARNING, with the fix
+                logger.warning("hf_csv: %s. The int8 screen falls back to fbgemm: the same results, slower (a large "
+                               "head uses the full head while it is packed). Install a C compiler (e.g. `apt install "
+                               "gcc`) or set CC; HF_CSV_NATIVE=0 silences this.", _why)
+            elif _why is not None:
                 logger.info("hf_csv: native int8 screen unavailable (%s); fbgemm serves", _why)
             load_seconds = time.perf_counter() - t0
             _tried = True
