@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
 from hf_csv_kernels.threads import ThreadTuner, caller_threads, rows_bucket
-from hf_csv_kernels.verify import gumbel_noise
+from hf_csv_kernels.verify import GUMBEL_SHIFT_FROM, gumbel_noise, gumbel_shift, row_max_finite
 
 from .bounds import BoundProvider, make_provider
 from .config import DEFAULT_BUDGET
@@ -101,6 +101,9 @@ class CertResult:
     # law_i + noise_i < cut (law: stock's final value before any lowering processor); -inf on complete rows
     noise: Optional[torch.Tensor] = None
     cut: Optional[torch.Tensor] = None
+    # ... and the shift m [N] the draw subtracts first: the token is argmax fl(fl(law_i - m) + noise_i), and the cut
+    # is in those shifted units (hf_csv_kernels.verify.gumbel_shift; 0 on rows of ordinary magnitude)
+    shift: Optional[torch.Tensor] = None
     # spec only: [N, V] fp32, an upper bound on stock's fp32 logit of every token (used off S)
     upper: Optional[torch.Tensor] = None
     # sample(with_conf=True) only: [N] the drawn token's probability, exact with a top-k warp, else with the
@@ -396,7 +399,7 @@ class CertifiedHead:
             upper = torch.full((N, self.vocab_size), float("inf"), device=Hf.device)
             if len(good):
                 upper[good] = sub.upper
-        noise = cut = None
+        noise = cut = shift = None
         if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
             if tokens is None:
                 tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
@@ -404,11 +407,14 @@ class CertifiedHead:
             noise = gumbel_noise((N, self.vocab_size), Hf.device, kwargs.get("generator")) if noise is None \
                 else noise.clone()
             cut = torch.full((N,), float("-inf"), device=Hf.device)
+            shift = torch.zeros(N, device=Hf.device)  # (rows without a cut: a later draw shifts by its own row's max)
             if len(good):
                 noise[good] = sub.noise
                 cut[good] = sub.cut
+                if sub.shift is not None:
+                    shift[good] = sub.shift
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound, noise=noise, cut=cut,
-                          upper=upper)
+                          upper=upper, shift=shift)
 
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
@@ -691,15 +697,25 @@ class CertifiedHead:
             bad |= ~(inside > others) & (res.slack > 0)
             g = noise if noise is not None else gumbel_noise(before.shape, Hf.device, generator)
             inT = torch.zeros_like(S).scatter_(1, T, True)
-            law = self._law(res.logits, d, post, warps, mask=S)
-            res.tokens = (law + g).argmax(1)
-            bad |= _draw_undecided(res.tokens, g, self._law(lo, d, post, warps, mask=inT),
-                                   self._law(hi, d, post, warps, mask=inT)) & (res.slack > 0)
+            law_lo = self._law(lo, d, post, warps, mask=inT)
+            law_hi = self._law(hi, d, post, warps, mask=inT)
+            # the draw subtracts m (our row's largest value) before the noise; stock's values must lie close to it
+            # for the noise to resolve on the full-head path too, so a row whose slack is that wide takes stock's row
+            # now (decided from the values alone, before the noise is read)
+            width = (law_hi - law_lo).masked_fill(~inT, 0.0).nan_to_num(0.0).amax(1)
+            bad |= (width >= GUMBEL_SHIFT_FROM) & (res.slack > 0)
             if bool(bad.any()):
                 self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
                 res.stats.near_ties -= int(reach.sum())
+            law = self._law(res.logits, d, post, warps, mask=S)
+            m = gumbel_shift(row_max_finite(law))[:, None]  # fixed before the draw, the same on every path below
+            res.tokens = ((law - m) + g).argmax(1)
+            und = _draw_undecided(res.tokens, g, law_lo - m, law_hi - m) & (res.slack > 0)
+            if bool(und.any()):
+                self._to_stock(und, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
                 law = self._law(res.logits, d, post, warps, mask=S)
-                res.tokens = (law + g).argmax(1)
+                res.tokens = ((law - m) + g).argmax(1)
+            res.shift = m[:, 0]
             if with_conf:
                 r = torch.arange(N, device=Hf.device)
                 res.conf = torch.softmax(law, 1)[r, res.tokens]
@@ -714,25 +730,49 @@ class CertifiedHead:
         rows = torch.arange(N, device=Hf.device)
         lo = self._stock_lower(seeds, rows, Hf)
         lo_law = self._law(lo[:, None], d, post, warps)[:, 0]
-        t = lo_law + g[rows, seeds]
+        # every comparison below is in units shifted by m (fixed here, before S): fl(· - m) is non-decreasing, so
+        # Theorem 4's chain holds for argmax fl(fl(y_i - m) + G_i) (docs/certificates.md §2.3)
+        m = gumbel_shift(lo_law)
+        t = (lo_law - m) + g[rows, seeds]
         upper = self._law(U + self.stock_error(Hf)[:, None], d, post, warps)
-        S = (upper + g) >= t[:, None]
+        S = ((upper - m[:, None]) + g) >= t[:, None]
         logits, info = self._dense(S, Hf, Hn, d, stats, U)
         law = self._law(logits, d, post, warps, mask=S)
-        tokens = (law + g).argmax(1)
         slack = info.slack
+        lo = hi = None
         if bool((slack > 0).any()):
-            # the winner must win for every value of stock's within the slack (§2.0), and reach the cut
             lo, hi = value_interval(_acc_dense(logits, info.rows, info.toks, info.acc), slack, d)
-            law_lo = self._law(lo, d, post, warps, mask=S)
-            und = _draw_undecided(tokens, g, law_lo, self._law(hi, d, post, warps, mask=S))
+            lo, hi = self._law(lo, d, post, warps, mask=S), self._law(hi, d, post, warps, mask=S)
+        # the noise must resolve at the top of the row, on our values and on stock's: where the seed's lower value
+        # (m) lies far below the row's largest value (a wide bound), or the values' slack is that wide, the row takes
+        # stock's values and, complete, its own largest value. Decided from the values alone, before the noise is
+        # read, so each branch is an exact Gumbel-max draw.
+        top = row_max_finite(law)
+        far = torch.isfinite(top) & ((top - m).abs() >= _GUMBEL_FAR) & ~info.complete
+        if lo is not None:
+            width = (hi - lo).masked_fill(~S, 0.0).nan_to_num(0.0).amax(1)
+            far |= (width >= GUMBEL_SHIFT_FROM) & (slack > 0) & ~info.complete
+        if bool(far.any()):
+            self._to_stock(far, logits, S, None, slack, Hf, Hn, d, stats)
+            stats.near_ties -= int(far.sum())  # (a wide bound, not a tie)
+            info.complete = info.complete | far
+            law = self._law(logits, d, post, warps, mask=S)
+        # a complete row (the full head, or S = V) has no cut to stay consistent with: its own largest value
+        m = torch.where(info.complete, gumbel_shift(row_max_finite(law)), m)
+        t = torch.where(info.complete, torch.full_like(t, float("-inf")), t)
+        tokens = ((law - m[:, None]) + g).argmax(1)
+        if lo is not None and bool((slack > 0).any()):
+            # the winner must win for every value of stock's within the slack (§2.0), and reach the cut; an undecided
+            # row draws on stock's row with the same m and the same noise (the same function of the noise)
+            law_lo = lo - m[:, None]
+            und = _draw_undecided(tokens, g, law_lo, hi - m[:, None])
             und |= ~((law_lo.gather(1, tokens[:, None])[:, 0] + g[rows, tokens]) >= t)
             und &= slack > 0
             if bool(und.any()):
                 self._to_stock(und, logits, S, None, slack, Hf, Hn, d, stats)
                 info.complete = info.complete | und
                 law = self._law(logits, d, post, warps, mask=S)
-                tokens = (law + g).argmax(1)
+                tokens = ((law - m[:, None]) + g).argmax(1)
         cut = t.masked_fill(info.complete, float("-inf"))
         conf = None
         if with_conf:
@@ -740,7 +780,7 @@ class CertifiedHead:
             conf = (law[rows, tokens] - torch.logsumexp(est_law, 1)).exp()
         keep = ~info.complete[info.rows]
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=S,
-                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut, conf=conf,
+                          bound=torch.full((N,), float("-inf"), device=Hf.device), noise=g, cut=cut, conf=conf, shift=m,
                           slack=slack, acc=(info.rows[keep], info.toks[keep], info.acc[keep]))
 
 
@@ -902,6 +942,11 @@ def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int
                     if not torch.equal(sub, full[:, cols]):
                         return False
     return True
+
+
+# a Gumbel draw's values lie within this of its shift at the top of the row (ulp 1.2e-4 there); farther, the noise
+# would resolve worse than on rows of ordinary magnitude, so the row takes the full head and its own shift
+_GUMBEL_FAR = 16 * GUMBEL_SHIFT_FROM
 
 
 def _draw_undecided(tokens: torch.Tensor, g: torch.Tensor, law_lo: torch.Tensor, law_hi: torch.Tensor) -> torch.Tensor:

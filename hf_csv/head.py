@@ -73,6 +73,7 @@ class StepStash:
     bound: Optional[torch.Tensor] = None
     noise: Optional[torch.Tensor] = None  # [B, P, V] sample mode, draw after the processors: Gumbel noise
     cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
+    shift: Optional[torch.Tensor] = None  # [B, P] ... in units shifted by this (CertResult.shift)
     upper: Optional[torch.Tensor] = None  # [B, P, V] spec mode: bound on stock's fp32 logit of every token
     # [B, P, V] stock's head on all B·P rows, computed once by the first re-run that needs it: assisted decoding
     # checks up to P positions of one call, and each re-run used to repeat the whole GEMM (~0.2 s on Qwen-1.5B)
@@ -487,12 +488,13 @@ class CSVHead(nn.Module):
             bound = None if res.bound is None else res.bound.view(B, P)
             noise = None if res.noise is None else res.noise.view(B, P, V)
             cut = None if res.cut is None else res.cut.view(B, P)
+            shift = None if res.shift is None else res.shift.view(B, P)
             upper = None if res.upper is None else res.upper.view(B, P, V)
             slack = None if res.slack is None else res.slack.view(B, P)
             acc = res.acc_dense().view(B, P, V) if res.slack is not None and res.acc is not None else None
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
                                   mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
-                                  noise=noise, cut=cut, upper=upper, slack=slack, acc=acc)
+                                  noise=noise, cut=cut, shift=shift, upper=upper, slack=slack, acc=acc)
             sess.spec_pending = mode == "spec"
         if gkey is not None:
             _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)

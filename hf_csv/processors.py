@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 from transformers import LogitsProcessor
 
+from hf_csv_kernels.verify import gumbel_shift, row_max_finite
+
 from .certificate import _f32_down, _f32_up, value_interval
 from .errors import CSVError
 from .head import CSVSession, flush_guard
@@ -211,22 +213,28 @@ class CSVLogitsProcessor(LogitsProcessor):
         recomputed with the full head (the same noise, so the law stays exact). Returns a one-hot row
         (the winner keeps its score) from which stock's sampler can only draw the winner."""
         g = last.noise[:, p]
-        val = scores.float() + g
+        cut = last.cut[:, p]
+        # the shift the head fixed with the cut (its units); a row without a cut (a full row) uses its own max
+        m = gumbel_shift(row_max_finite(scores))
+        if last.shift is not None:
+            m = torch.where(torch.isfinite(cut), last.shift[:, p], m)
+        m = m[:, None]
+        val = (scores.float() - m) + g
         win = val.max(1)
-        bad = ~(win.values >= last.cut[:, p]) | ~torch.isfinite(win.values)
+        bad = ~(win.values >= cut) | ~torch.isfinite(win.values)
         tok = win.indices
         slack = last.slack[:, p] if last.slack is not None else None
         if slack is not None and last.acc is not None and bool((slack > 0).any()):
             # the winner must win for every processed score within the values' slack, and reach the cut (§2.0)
             f_lo, f_hi = self._processed_interval(input_ids, sess, last, p)
-            mine = (f_lo.gather(1, tok[:, None]) + g.gather(1, tok[:, None]))[:, 0]
-            rest = (f_hi + g).scatter(1, tok[:, None], float("-inf")).amax(1)
-            bad |= ~((mine > rest) & (mine >= last.cut[:, p])) & (slack > 0)
+            mine = ((f_lo - m).gather(1, tok[:, None]) + g.gather(1, tok[:, None]))[:, 0]
+            rest = ((f_hi - m) + g).scatter(1, tok[:, None], float("-inf")).amax(1)
+            bad |= ~((mine > rest) & (mine >= cut)) & (slack > 0)
         if bool(bad.any()):
             idx = bad.nonzero(as_tuple=True)[0]
             full = self._rerun(input_ids, scores, sess, last, p, bad)
             tok = tok.clone()
-            tok[idx] = (full[idx].float() + g[idx]).argmax(1)
+            tok[idx] = ((full[idx].float() - m[idx]) + g[idx]).argmax(1)
             scores = full
         elif self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
@@ -660,7 +668,7 @@ class GumbelCoupledDraw(LogitsProcessor):
         key = int(input_ids.shape[1])
         x = scores.float()
         g = sess.gumbel.row(key, x.shape[1], x.device)
-        tok = int((x[0] + g).argmax())
+        tok = int(((x[0] - gumbel_shift(row_max_finite(x))[0]) + g).argmax())
         if sess.draft:  # (the target's rows need no confidence)
             if int(torch.isfinite(x[0]).sum()) > 1:
                 conf = float(torch.softmax(x[0], 0)[tok])

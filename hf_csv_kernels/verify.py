@@ -39,6 +39,8 @@ __all__ = [
     "exact_verify",
     "bounded_verify",
     "gumbel_noise",
+    "gumbel_shift",
+    "row_max_finite",
     "KeyedGumbel",
     "gumbel_coupled_verify",
     "sigmoid_verify",
@@ -288,6 +290,27 @@ def gumbel_noise(shape, device: torch.device, generator: torch.Generator | None)
     return u.clamp_(min=torch.finfo(torch.float32).tiny, max=1 - 2 ** -24).log_().neg_().log_().neg_()
 
 
+# |reference| from which a Gumbel-max draw subtracts it first: fl(y + G) resolves the noise to ulp(y), 7.6e-6 at 64;
+# at |y| >= 2^24 it absorbs the noise altogether (fl(y + G) = y) and the draw would be the first maximum
+GUMBEL_SHIFT_FROM = 64.0
+
+
+def gumbel_shift(ref: torch.Tensor) -> torch.Tensor:
+    """The per-row constant m a Gumbel-max draw subtracts before adding the noise: argmax fl(fl(y_i - m) + G_i).
+    In exact arithmetic any m leaves the law softmax(y) unchanged; in fp32 it keeps the noise resolved when the
+    values are large (|y - m| is small for every token with any probability: Sterbenz, y within 2x of m). ``ref``
+    [N]: the row's reference value (its largest finite value, or a certified lower value); m = ref where |ref| >=
+    GUMBEL_SHIFT_FROM, else 0 (rows of ordinary magnitude draw exactly as without a shift)."""
+    ref = ref.float()
+    big = torch.isfinite(ref) & (ref.abs() >= GUMBEL_SHIFT_FROM)
+    return torch.where(big, ref, torch.zeros_like(ref))
+
+
+def row_max_finite(x: torch.Tensor) -> torch.Tensor:
+    """[N]: the largest finite value of each row of ``x`` [N, V] (-inf where there is none)."""
+    return torch.where(torch.isfinite(x), x.float(), torch.full_like(x, float("-inf"), dtype=torch.float32)).amax(-1)
+
+
 _M64 = (1 << 64) - 1
 
 
@@ -353,7 +376,8 @@ def gumbel_coupled_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor, 
     ids = draft_ids.tolist()
     for j in range(L + 1):
         row = target_logits[j].float()
-        y = int((row + noise[j].to(row.device)).argmax())
+        m = gumbel_shift(row_max_finite(row[None]))[0]
+        y = int(((row - m) + noise[j].to(row.device)).argmax())
         if not bool(torch.isfinite(row[y])):
             raise ValueError(f"verified row {j} has no finite logit: nothing to sample")
         if j == L or y != ids[j]:

@@ -329,14 +329,63 @@ def _law_check(m, c: dict, inputs: dict, n_sampling: int) -> tuple[bool, str]:
     torch.manual_seed(c["id"] + 1)
     seq = _seqs(_gen(m, c, inputs, True))
     L = inputs["input_ids"].shape[1]
-    for t in range(L, seq.shape[1]):
-        msk = torch.cat([inputs["attention_mask"], torch.ones(seq.shape[0], t - L, dtype=torch.long)], 1)
-        law = _stock_law(m, c, seq[:, :t], msk)
-        tok = seq[:, t]
+    laws = _stock_laws_along(m, c, inputs, seq[:, L:])
+    for t in range(min(seq.shape[1] - L, len(laws))):
+        tok = seq[:, L + t]
         live = tok != m.generation_config.pad_token_id
-        if (law[torch.arange(len(tok)), tok][live] == 0).any():
-            return False, f"step {t - L}: a token outside stock's support"
+        if (laws[t][torch.arange(len(tok)), tok][live] == 0).any():
+            return False, f"step {t}: a token outside stock's support"
     return True, ""
+
+
+class _Record(LogitsProcessor):
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, input_ids, scores):
+        self.rows.append(torch.softmax(scores.double(), -1))
+        return scores
+
+
+class _Force(LogitsProcessor):
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens, self.t = tokens, 0
+
+    def __call__(self, input_ids, scores):
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(scores)), self.tokens[:, self.t]] = 0.0
+        self.t += 1
+        return out
+
+
+def _stock_laws_along(m, c: dict, inputs: dict, new: torch.Tensor) -> list:
+    """Stock's law at each step of a run that produced ``new`` [B, T], computed the way stock's own generate computes
+    it (incremental decoding with the cache, batch B): stock's processors, then its warpers (given explicitly, in
+    transformers' order, so that a recorder and a forcer can follow them). A prefix recomputed from scratch is not
+    the reference: stock's own incremental logits differ from it in the last bits, which moves near-tied boundaries."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    gc = m.generation_config
+    kw = {k: v for k, v in c["kw"].items() if k not in ("return_dict_in_generate", "output_scores")}
+    eff = {k: kw.get(k, getattr(gc, k, None)) for k in ("temperature", "top_k", "top_p", "min_p")}
+    procs = [CustomKind(c["custom"], 5 + c["id"] % 40)] if c.get("custom") else []
+    if eff["temperature"] is not None and eff["temperature"] != 1.0:
+        procs.append(TemperatureLogitsWarper(eff["temperature"]))
+    if eff["top_k"]:
+        procs.append(TopKLogitsWarper(eff["top_k"]))
+    if eff["top_p"] is not None and eff["top_p"] < 1.0:
+        procs.append(TopPLogitsWarper(eff["top_p"]))
+    if eff["min_p"] is not None:
+        procs.append(MinPLogitsWarper(eff["min_p"]))
+    rec = _Record()
+    procs += [rec, _Force(new)]
+    kw.update(temperature=1.0, top_k=0, top_p=1.0, min_p=None, do_sample=False, max_new_tokens=new.shape[1],
+              min_new_tokens=None, logits_processor=LogitsProcessorList(procs))
+    if c["stop"]:
+        kw["stopping_criteria"] = StoppingCriteriaList([ScoreReader()])
+    m.generate(**inputs, **kw)
+    return rec.rows
 
 
 def _classes(c: dict) -> list:

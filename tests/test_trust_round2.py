@@ -451,3 +451,51 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
 
     monkeypatch.setattr(C.F, "linear", nudged)
     assert C._probe_subsets(W, None) is False
+
+
+# ---------------------------------------------------------------- huge values: the Gumbel noise must not vanish
+@pytest.mark.parametrize("warps", [[("temperature", 1.7)], [("top_k", 5)], [("temperature", 0.6), ("top_k", 40)]])
+@pytest.mark.parametrize("scale", [1.0, 1e6, 1e13])
+def test_gumbel_draws_with_huge_logits_follow_the_law(warps, scale):
+    """Two exactly tied top tokens must each be drawn about half the time, whatever the logits' magnitude: fl(y + G)
+    = y once |y| >= 2^24, so a draw without a shift returned the first of them every time (the fuzzer's cases 1224
+    and 2576, hidden states scaled by 1e15). Binomial test at alpha = 1e-3 (fixed seed)."""
+    from scipy import stats as sps
+
+    torch.manual_seed(0)
+    V, d = 512, 32
+    W = torch.randn(V, d)
+    W[300] = W[7]  # an exact twin of token 7
+    h = torch.randn(1, d)
+    W[7] = W[300] = h[0] / h[0].norm() * 10.0  # the twins lead the row by a wide margin
+    head = hf_csv.CertifiedHead(W)
+    N = 2000
+    res = head.sample((h * scale).repeat(N, 1), warps=warps, generator=torch.Generator().manual_seed(1))
+    toks = res.tokens
+    assert bool(((toks == 7) | (toks == 300)).all())
+    n7 = int((toks == 7).sum())
+    assert sps.binomtest(n7, N, 0.5).pvalue > 1e-3, (n7, res.stats.as_dict())
+
+
+def test_sampling_after_a_lowering_processor_with_huge_logits_follows_the_law():
+    """The draw after the processors (repetition penalty, no top-k) shifts by the head's m too."""
+    from scipy import stats as sps
+
+    m = tiny_llama(scale=1.0)
+    head = m.lm_head.weight
+    with torch.no_grad():
+        head[200] = head[17]
+        m.model.norm.weight.fill_(1e9)
+    m = hf_csv.enable(m)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        top2 = m(ids).logits[0, -1].topk(2)
+    kw = dict(do_sample=True, top_k=0, temperature=1.3, repetition_penalty=1.3, max_new_tokens=1)
+    torch.manual_seed(0)
+    out = m.generate(ids.repeat(1500, 1), **kw, csv_config=CSVConfig())[:, -1]
+    if set(top2.indices.tolist()) == {17, 200}:  # the twins lead: each half the time
+        n = int((out == 17).sum())
+        assert int(((out == 17) | (out == 200)).sum()) == len(out)
+        assert sps.binomtest(n, len(out), 0.5).pvalue > 1e-3, n
+    else:  # one token leads by a huge margin: it is the only draw
+        assert bool((out == top2.indices[0]).all())
