@@ -14,18 +14,18 @@ from .index import IndexConfig, VocabIndex
 
 __version__ = "0.1.0"
 
-# name -> module, imported on first use so that the core never pulls in transformers
+# name -> module (relative to this package), imported on first use so that the core never pulls in transformers
 _LAZY = {
-    "CSVConfig": "hf_csv.config",
-    "enable": "hf_csv.generation",
-    "disable": "hf_csv.generation",
-    "install": "hf_csv.generation",
-    "uninstall": "hf_csv.generation",
-    "refresh": "hf_csv.generation",
-    "custom_generate": "hf_csv.generation",
-    "CSVArtifact": "hf_csv.artifact",
-    "CSVLogitsProcessor": "hf_csv.processors",
-    "patch_speculative_sampling": "hf_csv.verify",
+    "CSVConfig": ".config",
+    "enable": ".generation",
+    "disable": ".generation",
+    "install": ".generation",
+    "uninstall": ".generation",
+    "refresh": ".generation",
+    "custom_generate": ".generation",
+    "CSVArtifact": ".artifact",
+    "CSVLogitsProcessor": ".processors",
+    "patch_speculative_sampling": ".verify",
 }
 
 __all__ = ["CertifiedHead", "CertResult", "CertStats", "VocabIndex", "IndexConfig", "CSVError",
@@ -34,5 +34,5 @@ __all__ = ["CertifiedHead", "CertResult", "CertStats", "VocabIndex", "IndexConfi
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(importlib.import_module(_LAZY[name], __package__), name)
     raise AttributeError(f"module 'hf_csv' has no attribute {name!r}")

@@ -122,6 +122,7 @@ def assemble_model_repo(dest, art, model_dir=None, defaults: Optional[dict] = No
     import re
 
     from . import hub
+    from .vendor import manifest, vendor_into
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -132,12 +133,13 @@ def assemble_model_repo(dest, art, model_dir=None, defaults: Optional[dict] = No
     art.save_pretrained(dest, custom_generate=True)
     cg = dest / "custom_generate"
     hub.copy_folder(hub.custom_generate_folder(), cg)
+    vendor_into(cg)  # the folder carries hf_csv itself: nothing to pip install (hf_csv.vendor)
     code = (cg / "generate.py").read_text()
     code, n = re.subn(r"^CSV_CONFIG_DEFAULTS: dict = \{\}$", f"CSV_CONFIG_DEFAULTS: dict = {dict(defaults or {})!r}",
                       code, flags=re.M)
     if n != 1:
         raise CLIError("custom_generate template: the CSV_CONFIG_DEFAULTS line was not found")
-    (cg / "generate.py").write_text(code)
+    (cg / "generate.py").write_text(code + "\n\n" + manifest())
     return dest
 
 

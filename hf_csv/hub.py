@@ -99,14 +99,26 @@ def write_model_card(directory: Union[str, os.PathLike], config: Any, base_model
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(figures.items())) or "| (none recorded) | |"
     parts = ", ".join(p for p, have in (("int8 screen" if (config.screen or {}).get("quant", "int8") == "int8"
                                          else "fp8 screen", config.screen), ("cluster index", config.index)) if have)
-    use = ("out = model.generate(**inputs, custom_generate=\"<this repo>\", trust_remote_code=True)"
+    use = ("""from transformers import AutoModelForCausalLM
+# trust_remote_code=True is what loads the certified generate: without it, from_pretrained gives stock generate,
+# nothing is certified, and nothing says so
+model = AutoModelForCausalLM.from_pretrained("<this repo>", trust_remote_code=True)
+out = model.generate(**inputs)                    # model.csv_last_stats says what was certified
+# or per call, on any model with the same head:
+out = model.generate(**inputs, custom_generate="<this repo>", trust_remote_code=True)"""
            if custom_generate else
-           "out = model.generate(**inputs, csv_config=CSVConfig(index=\"<this repo>\", revision=\"<commit>\"))")
+           """import hf_csv
+from hf_csv import CSVConfig
+model = hf_csv.enable(model)
+out = model.generate(**inputs, csv_config=CSVConfig(index="<this repo>", revision="<commit>"))""")
+    needs = ("The `custom_generate/` folder carries hf_csv's code (flattened, `csv_*.py` / `kern_*.py`): nothing to "
+             "install beyond transformers' own dependencies." if custom_generate else
+             "hf_csv is installed from its repository (it is not on PyPI: a package of that name there is not this one).")
     text = "\n".join(meta) + f"""
 
 # hf_csv artifact{f' for {base}' if base else ''}
 
-What [hf_csv](https://pypi.org/project/hf-csv/) needs to decode {base or 'this model'} with a certified
+What hf_csv needs to decode {base or 'this model'} with a certified
 sub-vocabulary head from the first call: {parts or 'nothing'}. It stores no weights of the model. It is
 refused for a head with another fingerprint, and a loaded screen's error terms are recomputed from the
 live head, so no file content can make a certificate wrong.
@@ -128,10 +140,9 @@ live head, so no file content can make a certificate wrong.
 
 ## Use
 
+{needs}
+
 ```python
-import hf_csv
-from hf_csv import CSVConfig
-model = hf_csv.enable(model)
 {use}
 ```
 """

@@ -145,7 +145,10 @@ class VocabIndex:
 
         GPU FAISS is used when importable and ``weight`` is on CUDA (or ``use_gpu=True``).
         """
-        import faiss  # local: heavy import, only needed to build
+        try:  # local: heavy import, only needed to build (and optional for the package)
+            import faiss
+        except ImportError as e:
+            raise ImportError("building a cluster index needs FAISS: pip install faiss-cpu") from e
         from tqdm.auto import tqdm
 
         if weight.dim() != 2 or not weight.is_floating_point():

@@ -46,7 +46,7 @@ def _load_triton() -> bool:
     if not _triton_loaded:
         _triton_loaded = True
         try:
-            mod = importlib.import_module("hf_csv_kernels.triton_ops")
+            mod = importlib.import_module(".triton_ops", __package__)
             for op, fn in getattr(mod, "OPS", {}).items():
                 register(op, "triton", fn)
         except ImportError as e:  # triton missing: references serve

@@ -101,8 +101,18 @@ def _build() -> ctypes.CDLL:
     return _build_with(_FLAGS)
 
 
+def _source() -> bytes:
+    """The kernel's C source: the package's csrc/ file, or (in a copy without it: the vendored hf_csv of a Hub
+    ``custom_generate`` folder, which transformers fills with .py files only) the same text carried as a module."""
+    if _SRC.is_file():
+        return _SRC.read_bytes()
+    from .csrc_screen_avx2 import SOURCE
+
+    return SOURCE.encode()
+
+
 def _build_with(flags: list) -> ctypes.CDLL:
-    src = _SRC.read_bytes()
+    src = _source()
     cc = os.environ.get("CC") or "cc"
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"screen_avx2-{key}.so"
@@ -110,10 +120,14 @@ def _build_with(flags: list) -> ctypes.CDLL:
         if shutil.which(cc) is None:
             raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
         out.parent.mkdir(parents=True, exist_ok=True)
+        src_path = _SRC
+        if not src_path.is_file():  # (compile the carried text from a file of its own, named by its hash)
+            src_path = out.with_suffix(".c")
+            src_path.write_bytes(src)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([cc, *flags, str(src_path), "-o", tmp], capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
             os.replace(tmp, out)  # atomic: concurrent builders each write their own file

@@ -1,6 +1,8 @@
 """Certified decoding from the Hub with no code change: transformers' ``custom_generate``, per call and per
 model, local directories and the local HTTP Hub double (tests/hub_double.py), LM and Whisper."""
 import importlib.metadata
+import os
+import re
 import sys
 
 import pytest
@@ -13,8 +15,30 @@ from hf_csv.cli import main as cli_main
 from hub_double import HubDouble
 from test_generate_extra import _tiny_whisper
 
-# their sampled calls compare stock-stream tokens (docs/certificates.md §2.0): under that property
-pytestmark = pytest.mark.usefixtures("assume_subset_exact")
+
+
+def _vendored(suffix: str) -> list:
+    """The modules of the hf_csv copies transformers loaded from custom_generate folders (hf_csv.vendor)."""
+    return [m for n, m in list(sys.modules.items()) if n.startswith("transformers_modules.") and n.endswith(suffix)]
+
+
+@pytest.fixture(autouse=True)
+def vendored_subset_exact(monkeypatch):
+    """The sampled calls compare stock-stream tokens (docs/certificates.md §2.0): under that property, in the installed
+    hf_csv (conftest's assume_subset_exact) and in every vendored copy, patched as transformers loads it."""
+    import transformers.generation.utils as gu
+    from hf_csv.certificate import CertifiedHead
+
+    monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: True)
+    real = gu.get_class_in_module
+
+    def load_and_patch(*a, **k):
+        out = real(*a, **k)
+        for mod in _vendored(".csv_certificate"):
+            monkeypatch.setattr(mod.CertifiedHead, "subset_exact", lambda self: True)
+        return out
+
+    monkeypatch.setattr(gu, "get_class_in_module", load_and_patch)
 
 IDS = torch.tensor([[5, 17, 33, 2, 9, 41]])
 
@@ -62,9 +86,10 @@ def test_per_call_local_directory(llama_repo):
 def test_per_model_local_directory_uses_the_stored_screen(llama_repo, monkeypatch):
     ref, repo = llama_repo
     m = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
-    import hf_csv.bounds as hb
-
-    monkeypatch.setattr(hb, "quantize_rows_int8", lambda *a, **k: pytest.fail("re-quantized: artifact not used"))
+    bounds = _vendored(".csv_bounds")  # the copy the repository carries (not the installed hf_csv) runs the call
+    assert bounds
+    for hb in bounds:
+        monkeypatch.setattr(hb, "quantize_rows_int8", lambda *a, **k: pytest.fail("re-quantized: artifact not used"))
     for kw in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
         kw.update(max_new_tokens=12)
         assert torch.equal(m.generate(IDS, **kw) if not kw["do_sample"] else _seeded(m, kw), _stock(ref, **kw))
@@ -106,26 +131,56 @@ def test_whisper_per_model_and_per_call(tmp_path):
     assert torch.equal(got, want)
 
 
-def test_clear_error_without_hf_csv(llama_repo, monkeypatch):
+_NO_HF_CSV = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hf_csv", "hf_csv_kernels"):
+            raise ImportError(f"No module named {name!r} (blocked: hf_csv is not installed here)")
+sys.meta_path.insert(0, Block())
+import torch
+from transformers import LlamaForCausalLM
+repo, model = sys.argv[1], sys.argv[2]
+ref = LlamaForCausalLM.from_pretrained(model).eval()
+ids = torch.tensor([[5, 17, 33, 2, 9, 41]])
+want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+got = ref.generate(ids, max_new_tokens=12, do_sample=False, custom_generate=repo, trust_remote_code=True)
+st = ref.csv_last_stats
+assert "hf_csv" not in sys.modules and "hf_csv_kernels" not in sys.modules
+print("identical", bool(torch.equal(got, want)), "certified", st["certified"], st["summary"])
+"""
+
+
+def test_the_repository_works_without_hf_csv_installed(llama_repo, tmp_path):
+    """The folder carries hf_csv (hf_csv.vendor): a process where ``import hf_csv`` fails still gets certified,
+    stock-identical greedy decoding, from the repository alone."""
+    import os
+    import subprocess
+
     ref, repo = llama_repo
-    real = importlib.metadata.version
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    r = subprocess.run([sys.executable, "-c", _NO_HF_CSV, str(repo), str(repo)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("identical True certified ") and int(line.split()[3]) > 0, line
 
-    def version(name):
-        if name.replace("-", "_") == "hf_csv":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
 
-    monkeypatch.setattr(importlib.metadata, "version", version)
-    # transformers checks custom_generate/requirements.txt first (ImportError in 5.23, ValueError before)
-    with pytest.raises((ImportError, ValueError), match="hf_csv"):
-        ref.generate(IDS, max_new_tokens=2, custom_generate=str(repo), trust_remote_code=True)
-    monkeypatch.setattr(importlib.metadata, "version", real)
-    # the template's own message, should the requirements check be bypassed
-    ns: dict = {}
-    exec(compile((repo / "custom_generate" / "generate.py").read_text(), "generate.py", "exec"), ns)
-    monkeypatch.setitem(sys.modules, "hf_csv", None)
-    with pytest.raises(ImportError, match="pip install hf_csv"):
-        ns["generate"](model=ref, inputs=IDS)
+def test_the_vendored_copy_is_complete_and_never_imports_the_installed_package(llama_repo):
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from hf_csv.vendor import VENDORED_MODULES
+
+    _, repo = llama_repo
+    cg = repo / "custom_generate"
+    fetched = {os.path.basename(f)[:-3] for f in get_relative_import_files(str(cg / "generate.py"))}
+    assert fetched == set(VENDORED_MODULES) | {"csv_config", "csv_generation"}
+    for f in cg.glob("*.py"):
+        text = f.read_text()
+        assert not re.search(r"^\s*(from|import) hf_csv", text, flags=re.M), f.name
+    req = [l for l in (cg / "requirements.txt").read_text().splitlines() if l and not l.startswith("#")]
+    assert not any(l.replace("-", "_").startswith("hf_csv") for l in req)
+    assert "pip install hf_csv" not in (repo / "README.md").read_text()
 
 
 def test_trust_remote_code_is_required(llama_repo):

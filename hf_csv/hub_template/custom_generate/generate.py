@@ -3,19 +3,29 @@
 Per call:   model.generate(**inputs, custom_generate="ORG/REPO", trust_remote_code=True)
 Per model:  AutoModelForCausalLM.from_pretrained("ORG/REPO", trust_remote_code=True).generate(**inputs)
 
-The tokens are those of stock ``generate`` (greedy) or follow its law (sampling), with the LM head
-computed on a certified sub-vocabulary; where hf_csv cannot prove a step it uses the full head and
-says why (``model.csv_last_stats``). Pass ``csv_config=hf_csv.CSVConfig(...)`` to override the default
-below. Needs the ``hf_csv`` package (requirements.txt).
+Both forms need ``trust_remote_code=True``: without it, transformers refuses the per-call form and the per-model form
+silently runs stock ``generate``. The tokens are those of stock ``generate`` (greedy) or follow its law (sampling),
+with the LM head computed on a certified sub-vocabulary; where hf_csv cannot prove a step it uses the full head and
+says why (``model.csv_last_stats``).
+
+This folder carries hf_csv itself (the ``csv_*.py`` and ``kern_*.py`` files next to this one, written by
+``hf-csv push-model``; see ``hf_csv/vendor.py`` in hf_csv's repository): nothing to install beyond transformers' own
+dependencies (requirements.txt). ``csv_config=`` overrides the default below: a ``CSVConfig`` (this folder's, or an
+installed hf_csv's, whose fields are copied) or a dict of its fields.
 """
+import dataclasses
+
+from .csv_config import CSVConfig
+from .csv_generation import custom_generate as _custom_generate
+
 # written by `hf-csv push-model`: the CSVConfig fields this repository defaults to (its own artifact)
 CSV_CONFIG_DEFAULTS: dict = {}
 
 
 def generate(*args, model, csv_config=None, **kwargs):
     # transformers passes the model by keyword (per model, positional arguments are generate's inputs)
-    try:
-        import hf_csv
-    except ImportError as e:  # transformers checks requirements.txt first; this covers a bypassed check
-        raise ImportError("this repository's custom_generate runs hf_csv certified decoding: pip install hf_csv") from e
-    return hf_csv.custom_generate(model, *args, csv_config=csv_config, defaults=CSV_CONFIG_DEFAULTS, **kwargs)
+    if csv_config is not None and not isinstance(csv_config, (CSVConfig, dict)):
+        if not dataclasses.is_dataclass(csv_config):
+            raise TypeError(f"csv_config must be a CSVConfig or a dict, got {type(csv_config).__name__}")
+        csv_config = {f.name: getattr(csv_config, f.name) for f in dataclasses.fields(csv_config) if f.init}
+    return _custom_generate(model, *args, csv_config=csv_config, defaults=CSV_CONFIG_DEFAULTS, **kwargs)
