@@ -211,17 +211,22 @@ def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig
             src = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
             if src and (Path(src) / CONFIG_NAME).is_file():
                 csv_config["index"] = src
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # transformers passes every unset argument as None
-    cls_generate = type(model).generate
+    import inspect
+
     from transformers.generation.utils import GenerationMixin
+
+    # transformers passes generate's own unset parameters as None; a None among the other kwargs was passed on
+    # purpose (Whisper's generate overrides begin_suppress_tokens / suppress_tokens with None: dropping those would
+    # restore the model's defaults, and a duplicate SuppressTokensAtBegin processor with its warning)
+    named = inspect.signature(GenerationMixin.generate).parameters
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in named}
+    cls_generate = type(model).generate
 
     if _called_from(GenerationMixin.generate):
         # per call: GenerationMixin.generate handed over its own arguments, after any subclass's generate
         # (Whisper's) prepared them; run the same function without custom_generate, not the subclass's again
         cls_generate = GenerationMixin.generate
     elif "inputs" in kwargs:
-        import inspect
-
         params = inspect.signature(cls_generate).parameters
         if "inputs" not in params and "input_features" in params:  # Whisper's generate names its input so
             kwargs["input_features"] = kwargs.pop("inputs")

@@ -116,7 +116,7 @@ def test_csv_config_from_kwargs_overrides_the_default(llama_repo):
     assert m.csv_last_stats["certified"] > 0
 
 
-def test_whisper_per_model_and_per_call(tmp_path):
+def test_whisper_per_model_and_per_call(tmp_path, caplog):
     ref = _tiny_whisper()
     ref.save_pretrained(tmp_path / "model")
     art = CSVArtifact.build(ref.proj_out.weight)
@@ -126,9 +126,20 @@ def test_whisper_per_model_and_per_call(tmp_path):
     m = WhisperForConditionalGeneration.from_pretrained(tmp_path / "repo", trust_remote_code=True).eval()
     assert torch.equal(m.generate(feats, max_new_tokens=12, do_sample=False), want)
     assert m.csv_last_stats["certified"] > 0
-    got = ref.generate(feats, max_new_tokens=12, do_sample=False, custom_generate=str(tmp_path / "repo"),
-                       trust_remote_code=True)
+    import logging
+
+    from transformers.utils import logging as tlogging
+
+    tlogging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            got = ref.generate(feats, max_new_tokens=12, do_sample=False, custom_generate=str(tmp_path / "repo"),
+                               trust_remote_code=True)
+    finally:
+        tlogging.disable_propagation()
     assert torch.equal(got, want)
+    # Whisper's own None overrides (begin_suppress_tokens, suppress_tokens) reach generate: no duplicate processors
+    assert not [r for r in caplog.records if "was also created" in r.getMessage()]
 
 
 _NO_HF_CSV = """
