@@ -32,6 +32,7 @@ from .head import (CSVSession, active_session, find_head, get_certified_head, gu
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
 from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
+from .speed import cuda_reason
 
 __all__ = ["instance_override", "certified", "new_session"]
 
@@ -46,13 +47,16 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     _, head = find_head(model)
     offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
     post, why = post_head_of(model)
-    sess = CSVSession(model=model, config=config, head=None if offloaded or post is None else
+    on_cuda = cuda_reason(head.weight)  # decided before any screen is built (hf_csv.speed)
+    sess = CSVSession(model=model, config=config, head=None if offloaded or post is None or on_cuda else
                       get_certified_head(head, config), out_dtype=model_out_dtype(model, head), post=post)
     if offloaded:
         sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
                            "loaded only inside accelerate's hook")
     elif post is None:
         sess.force_full = why
+    elif on_cuda:
+        sess.force_full = on_cuda
     elif head.bias is not None and sess.out_dtype != torch.float32:
         # measured (tests/test_differential.py, Phi in bf16): torch rounds a biased bf16 head differently on a
         # subset of its columns, and a non-contiguous input takes an unfused path (round, add the bias,

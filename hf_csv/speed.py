@@ -27,8 +27,13 @@ one call (not a warm-up of three), and where the certified head is clearly slowe
 100·(certified/full − 1) calls apart, between 128 and 512, as for a clearly slower full head: about 2 % of the time
 the certified head loses on a loaded machine (issue 36: 27.1 ms certified against 12.1 ms full on whisper-tiny.en).
 
+On CUDA the guard does not measure: the certified head there is launch- and synchronisation-bound (about 200 kernel
+launches and 60 host synchronisations per call) and was slower than stock's cuBLAS head at every shape measured
+(docs/benchmarks.md §4), so :func:`cuda_reason` declines the call before any screen is built, with that reason in
+the call's stats. Timing an asynchronous device with host clocks would also need a synchronisation per step.
+
 Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests stay certified), and
-``HF_CSV_SPEED_GUARD=0`` turns the guard off.
+``HF_CSV_SPEED_GUARD=0`` turns the guard off (on CUDA too: the certified head then runs, exact and slower).
 """
 from __future__ import annotations
 
@@ -38,10 +43,18 @@ import threading
 from collections import deque
 from typing import Optional
 
-__all__ = ["SpeedGuard", "MIN_WEIGHTS", "PRIOR_FULL_ROWS"]
+__all__ = ["SpeedGuard", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason"]
 
 MIN_WEIGHTS = 1 << 21
 PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
+
+
+def cuda_reason(weight) -> Optional[str]:
+    """Why a guarded head on a CUDA device runs the full head (None where the guard does not decide so)."""
+    if weight.device.type != "cuda" or weight.numel() < MIN_WEIGHTS or not SpeedGuard.enabled():
+        return None
+    return ("speed guard: on CUDA the certified head is measured slower than stock's head (docs/benchmarks.md §4); "
+            "HF_CSV_SPEED_GUARD=0 runs it anyway")
 
 
 class SpeedGuard:

@@ -68,6 +68,9 @@ def screen_int8_with_block_max(state: ScreenState, H: torch.Tensor, block: int =
     rad = ||W_i − Ŵ_i||·||h||(1+4u) + γ_{d+2}·||Ŵ_i||_1·||h||_∞. The kernel's fp32 accumulation of the
     exact int8→fp32 products, in any order, errs by at most γ_d·Σ_j|Ŵ_ij h_j| <= γ_d·||Ŵ_i||_1·||h||_∞,
     and the final scale multiply by u·|est|; γ_{d+2} covers both.
+
+    Compiled without FMA contraction, so the block max is of the stored ``est − rad`` rounded as torch rounds it (a
+    contracted ``fma(acc, s, −rad)`` differed in the last bit on an H200: docs/benchmarks.md §"GPU").
     """
     rows = state.rows
     H = H.float().contiguous()
@@ -83,7 +86,7 @@ def screen_int8_with_block_max(state: ScreenState, H: torch.Tensor, block: int =
     q = rows.q.contiguous().view(torch.uint8) if fp8 else rows.q.contiguous()
     _screen_kernel[(nblk, N)](q, rows.scale, rows.err_l2, rows.l1, H, hn, coef, est, rad, bmax, V, D,
                               q.stride(0), H.stride(0), est.stride(0), nblk, BLOCK_V=block, BLOCK_D=BLOCK_D,
-                              FP8=fp8)
+                              FP8=fp8, enable_fp_fusion=False)
     return est, rad, bmax
 
 

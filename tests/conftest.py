@@ -1,11 +1,12 @@
 import os
 import pathlib
 
-# Triton kernels run in the interpreter on CPU (set before anything imports triton)
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
+
+# Triton kernels run in the interpreter where there is no GPU (set before anything imports triton); natively on CUDA
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))

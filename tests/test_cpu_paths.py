@@ -365,6 +365,24 @@ def test_speed_guard_unit():
     assert g.summary("k")["choice"] == "certified"
 
 
+def test_speed_guard_declines_cuda_heads_before_building_a_screen(monkeypatch):
+    """On CUDA the certified head was measured slower than stock's head at every shape (docs/benchmarks.md §4): a
+    guarded head there runs the full head, decided before any screen is built; HF_CSV_SPEED_GUARD=0 lifts it. (The
+    device is only read off ``weight.device``; tests/test_cuda.py runs the real thing on a GPU.)"""
+    from types import SimpleNamespace
+
+    from hf_csv.speed import MIN_WEIGHTS, cuda_reason
+
+    def w(dev, n):
+        return SimpleNamespace(device=torch.device(dev), numel=lambda: n)
+
+    assert "CUDA" in cuda_reason(w("cuda", MIN_WEIGHTS))
+    assert cuda_reason(w("cuda", MIN_WEIGHTS - 1)) is None  # tiny heads are not guarded
+    assert cuda_reason(w("cpu", MIN_WEIGHTS)) is None
+    monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
+    assert cuda_reason(w("cuda", MIN_WEIGHTS)) is None
+
+
 def test_speed_guard_probes_a_much_slower_full_head_rarely_and_still_reacts_to_a_slowdown():
     """Certified 12 ms against full 60 ms (Gemma-3's head): probes about every 400 calls, so the full calls cost
     about 2 % of the certified time (every 128 calls it was 6 %); a certified head that turns slower than the full
