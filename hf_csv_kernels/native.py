@@ -1,4 +1,4 @@
-"""hf_csv's own AVX2 int8 screen GEMV (``csrc/screen_avx2.c``), compiled on first use and loaded with ctypes.
+"""hf_csv's own int8 screen GEMV (``csrc/screen_avx2.c``), compiled on first use and loaded with ctypes.
 
 Why a kernel of our own next to fbgemm's dynamic linear:
 
@@ -10,6 +10,15 @@ Why a kernel of our own next to fbgemm's dynamic linear:
   most of its radius on real heads — is about halved.
 * **Dynamic row schedule.** Threads take chunks of rows from an atomic counter; a thread on a core shared with
   another process takes fewer rows instead of holding the others at a join.
+
+**Paths.** The integer dot product has three implementations (:data:`PATHS`, best first): ``avx512vnni``
+(``vpdpbusd`` with AVX-512VL), ``avxvnni`` (its VEX form) and ``avx2`` (``maddubs`` + ``madd``). Each is exact in
+int32 (the C source says why), so the screen's values do not depend on the path. The library is built for the best
+path this CPU reports (``/proc/cpuinfo`` flags) and the compiler accepts, then **self-tested** at load on random
+codes (row-major and interleaved, one and two threads, ±127 extremes) against an int64 reference, bit for bit; a path
+that fails to build or to match is never used: the next one is tried and the reason logged. ``HF_CSV_SCREEN_PATH``
+forces one path (tests and the fuzzer use it); a forced path the CPU cannot run leaves the native kernel unavailable
+(fbgemm serves, same values) with the reason in :func:`why_unavailable`. :func:`path` names the path in use.
 
 It needs an x86-64 CPU with AVX2 and a C compiler (``$CC`` or ``cc``) the first time on a machine; the library
 is cached under ``$HF_CSV_KERNEL_CACHE`` (default ``~/.cache/hf_csv/kernels``), keyed by the source and flags.
@@ -36,10 +45,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "why_unavailable", "screen_i8", "interleave", "min_code", "row_terms", "MAX_D"]
+__all__ = ["available", "why_unavailable", "path", "runnable_paths", "load_path", "PATHS", "screen_i8", "interleave",
+           "min_code", "row_terms", "MAX_D"]
 
 _SRC = Path(__file__).with_name("csrc") / "screen_avx2.c"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
+# best first: (extra compiler flags, /proc/cpuinfo flags the path needs)
+PATHS = ("avx512vnni", "avxvnni", "avx2")
+_PATH_FLAGS = {"avx512vnni": (["-DHF_CSV_PATH_AVX512VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+                              ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+               "avxvnni": (["-DHF_CSV_PATH_AVXVNNI", "-mavxvnni"], ("avx_vnni",)),
+               "avx2": ([], ("avx2", "fma"))}
 # int32 partial sums stay below 2^31 while 127·127·d does (csrc/screen_avx2.c)
 MAX_D = (2 ** 31 - 1) // (127 * 127)
 
@@ -50,6 +66,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _why: Optional[str] = None
 _tried = False
+_path: Optional[str] = None
 load_seconds: Optional[float] = None  # this process's build-or-load time of the library (benchmarks report it)
 
 
@@ -90,15 +107,99 @@ def gomp_copies() -> int:
         return 0
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (once per source and flags, cached) and load the kernel: with -fopenmp where torch runs OpenMP, and
-    without it if that build fails (POSIX threads then)."""
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:  # pragma: no cover - no /proc
+        pass
+    return set()
+
+
+def runnable_paths() -> list:
+    """The kernel paths this CPU reports the instructions for, best first (``avx2`` on any AVX2 host)."""
+    flags = _cpu_flags()
+    out = [p for p in PATHS if all(f in flags for f in _PATH_FLAGS[p][1])]
+    if "avx2" not in out and _cpu_ok() is None:  # no /proc/cpuinfo: torch saw AVX2
+        out.append("avx2")
+    return out
+
+
+def load_path(name: str) -> ctypes.CDLL:
+    """Build (cached) and load the kernel for path ``name``, then self-test it; raises RuntimeError where the CPU
+    lacks the path's instructions, the build fails, or the self-test finds a difference."""
+    if name not in PATHS:
+        raise ValueError(f"unknown kernel path {name!r}; use one of {PATHS}")
+    if name not in runnable_paths():
+        need = ", ".join(_PATH_FLAGS[name][1])
+        raise RuntimeError(f"this CPU lacks the {name} path's instructions ({need})")
+    extra = _PATH_FLAGS[name][0]
+    lib = None
     if _torch_openmp():
         try:
-            return _build_with(_FLAGS + ["-fopenmp"])
+            lib = _build_with(_FLAGS + extra + ["-fopenmp"], name)
         except Exception as e:
             logger.info("hf_csv: the OpenMP build of the native kernel failed (%s); POSIX threads serve", e)
-    return _build_with(_FLAGS)
+    if lib is None:
+        lib = _build_with(_FLAGS + extra, name)
+    got = PATHS[::-1][int(lib.hf_csv_path())]
+    if got != name:
+        raise RuntimeError(f"the {name} build reports path {got}")
+    _self_test(lib)
+    return lib
+
+
+def _self_test(lib: ctypes.CDLL) -> None:
+    """Raise unless the library's screen equals fl(fl(fl(dot)·s_i)·cr_r) with the dot product in int64, bit for bit, on
+    random codes with ±127 extremes: row-major and interleaved, one and two threads, odd V and d (tails of every
+    loop). Takes a few milliseconds."""
+    g = torch.Generator().manual_seed(1234)
+    for V, d, N in ((67, 77, 3), (131, 256, 1), (8, 1000, 2)):
+        q = torch.randint(-127, 128, (V, d), generator=g, dtype=torch.int8)
+        q[0, :] = 127
+        q[1, :] = -127
+        A = torch.randint(-127, 128, (N, d), generator=g, dtype=torch.int8)
+        A[0, : d // 2] = -127
+        scale = torch.rand(V, generator=g) * 1e-2 + 1e-4
+        cr = torch.rand(N, generator=g) + 0.5
+        dot = A.long() @ q.long().T  # exact
+        ref = dot.float() * scale[None] * cr[:, None]
+        qi = torch.empty_like(q)
+        lib.hf_csv_interleave4(q.data_ptr(), V, d, qi.data_ptr())
+        for codes, il in ((q, 0), (qi, 1)):
+            for threads in (1, 2):
+                out = torch.empty(N, V, dtype=torch.float32)
+                lib.hf_csv_screen_i8(codes.data_ptr(), scale.data_ptr(), V, d, A.data_ptr(), cr.data_ptr(), N,
+                                     out.data_ptr(), threads, 8, il)
+                if not torch.equal(out, ref):
+                    bad = int((out != ref).sum())
+                    raise RuntimeError(f"self-test: {bad} of {out.numel()} screen values differ from the int64 "
+                                       f"reference (V={V}, d={d}, interleaved={il}, threads={threads})")
+
+
+def _build() -> ctypes.CDLL:
+    """The kernel for ``HF_CSV_SCREEN_PATH`` if set, else for the best path that builds and passes its self-test."""
+    global _path
+    forced = os.environ.get("HF_CSV_SCREEN_PATH", "").strip().lower()
+    if forced:
+        if forced not in PATHS:
+            raise RuntimeError(f"HF_CSV_SCREEN_PATH={forced!r} is not one of {PATHS}")
+        lib = load_path(forced)
+        _path = forced
+        return lib
+    errors = []
+    for name in runnable_paths():
+        try:
+            lib = load_path(name)
+        except Exception as e:  # a compiler without the instructions, a failed self-test: the next path
+            errors.append(f"{name}: {e}")
+            logger.warning("hf_csv: the %s path of the native int8 screen is not used (%s); trying the next", name, e)
+            continue
+        _path = name
+        return lib
+    raise RuntimeError("; ".join(errors) or "no kernel path for this CPU")
 
 
 def _source() -> bytes:
@@ -111,11 +212,11 @@ def _source() -> bytes:
     return SOURCE.encode()
 
 
-def _build_with(flags: list) -> ctypes.CDLL:
+def _build_with(flags: list, name: str = "avx2") -> ctypes.CDLL:
     src = _source()
     cc = os.environ.get("CC") or "cc"
     key = hashlib.sha256(src + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"screen_avx2-{key}.so"
+    out = _cache_dir() / f"screen_{name}-{key}.so"
     if not out.is_file():
         if shutil.which(cc) is None:
             raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
@@ -148,6 +249,8 @@ def _build_with(flags: list) -> ctypes.CDLL:
     lib.hf_csv_screen_bounds.restype = i32
     lib.hf_csv_openmp.argtypes = []
     lib.hf_csv_openmp.restype = i32
+    lib.hf_csv_path.argtypes = []
+    lib.hf_csv_path.restype = i32
     return lib
 
 
@@ -182,6 +285,12 @@ def _load() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """True when the native kernel is built and loaded (builds it on the first call in a process)."""
     return _load() is not None
+
+
+def path() -> Optional[str]:
+    """The kernel path in use (``avx512vnni``, ``avxvnni`` or ``avx2``), or None when the kernel is unavailable."""
+    _load()
+    return _path
 
 
 def uses_openmp() -> bool:

@@ -1,4 +1,5 @@
-/* hf_csv's own int8 screen GEMV for x86 AVX2 (compiled on first use by hf_csv_kernels/native.py).
+/* hf_csv's own int8 screen GEMV for x86 AVX2, AVX-VNNI and AVX-512 VNNI (compiled on first use by
+   hf_csv_kernels/native.py, for the best path the host runs).
 
    out[r, i] = (float)(sum_j q[i, j] * a[r, j]) * scale[i] * cr[r]
 
@@ -169,12 +170,31 @@ static inline int32_t hsum(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* acc += per 4-byte group, sum of |x_j| * (sign(x_j) w_j) = sum of w_j x_j, in int32 lanes. One of three paths, chosen
+   at build time (native.py compiles the one the host runs, then self-tests it against an int64 reference):
+   * AVX-512 VNNI (EVEX, 256-bit with AVX-512VL) and AVX-VNNI (VEX): vpdpbusd multiplies the unsigned |x_j| <= 127 by
+     the signed sign(x_j) w_j (|.| <= 127) and adds the four products of each group to the lane without saturation:
+     exact while the lane stays below 2^31, which 127 * 127 * d does for d < 133,000 (MAX_D);
+   * AVX2: maddubs (pairs, |pair| <= 32258 < 32767: no saturation), madd by ones (int32), add: exact likewise. */
+#if defined(HF_CSV_PATH_AVX512VNNI)
+#define HF_CSV_PATH_ID 2
+#define DOT(acc, w, x, ax) acc = _mm256_dpbusd_epi32(acc, ax, _mm256_sign_epi8(w, x))
+#elif defined(HF_CSV_PATH_AVXVNNI)
+#define HF_CSV_PATH_ID 1
+#define DOT(acc, w, x, ax) acc = _mm256_dpbusd_avx_epi32(acc, ax, _mm256_sign_epi8(w, x))
+#else
+#define HF_CSV_PATH_ID 0
 #define DOT(acc, w, x, ax) \
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), ones))
+#endif
+
+/* Which DOT this library was built with: 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI. */
+int hf_csv_path(void) { return HF_CSV_PATH_ID; }
 
 static void rows(const job_t *J, int64_t lo, int64_t hi) {
     const int64_t d = J->d, d32 = d & ~31LL, N = J->N;
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;  /* (the VNNI paths do not widen through it) */
     int64_t i = lo;
     for (; i + 4 <= hi; i += 4) {
         const int8_t *w = J->q + i * d;
