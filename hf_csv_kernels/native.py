@@ -135,7 +135,10 @@ def load_path(name: str) -> ctypes.CDLL:
     if name not in runnable_paths():
         need = ", ".join(_PATH_FLAGS[name][1])
         raise RuntimeError(f"this CPU lacks the {name} path's instructions ({need})")
-    extra = _PATH_FLAGS[name][0]
+    extra = list(_PATH_FLAGS[name][0])
+    pf = os.environ.get("HF_CSV_SCREEN_PREFETCH", "").strip()
+    if pf:  # the interleaved loop's software prefetch distance in bytes (default 2048 in the C source; 0 = none)
+        extra.append(f"-DHF_CSV_PREFETCH={int(pf)}")
     lib = None
     if _torch_openmp():
         try:

@@ -72,6 +72,23 @@ def timeit(fn, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
+def _native_path():
+    from hf_csv_kernels import native
+
+    return native.path()
+
+
+def _cpu_flags() -> list:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split()
+                              if f.startswith(("avx512", "avx_vnni", "amx")) or f in ("avx2", "fma"))
+    except OSError:
+        pass
+    return []
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory (HF format)")
@@ -142,6 +159,9 @@ def main(argv=None) -> dict:
         "model": Path(args.model).name, "provider": args.provider, "dtype": args.dtype,
         "quant": args.quant if args.provider == "screen" else None,
         "kernel_backend": os.environ.get("HF_CSV_KERNELS", "auto"),
+        # the native int8 screen's path (avx512vnni / avxvnni / avx2; None: fbgemm or not the screen) and the CPU's
+        # flags that choose it, so a figure names its host
+        "screen_path": _native_path(), "cpu_flags": _cpu_flags(),
         "vocab_size": head.vocab_size, "hidden_size": head.hidden_size, "positions": int(len(H)),
         "certified_fraction": st.certified_fraction,
         "mean_subvocab_fraction": float(sizes.mean()) if len(sizes) else float("nan"),
