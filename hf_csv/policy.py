@@ -14,7 +14,7 @@ import torch
 from .head import CSVSession, _tlog, guard_key
 from .static import StaticTopK
 
-__all__ = ["classify_processor", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
+__all__ = ["classify_processor", "masks_only", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
            "whisper_log_prob_reason", "decide_compiled"]
 
 # How each stock processor relates to the certificate (docs/processors.md has the table).
@@ -62,6 +62,13 @@ _KIND = {
     "AlternatingCodebooksLogitsProcessor": "full",
 }
 
+# "lower" processors that only mask: each token's output is its input unchanged or -inf, the masked set chosen from
+# input_ids (and the processor's settings) alone, never from the scores (transformers 4.57 and 5.20-5.23: torch.where /
+# masked_fill with -inf). A custom processor may declare ``csv_masks_only = True`` (a promise of exactly that).
+_MASKS_ONLY = frozenset({"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+                         "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+                         "NoRepeatNGramLogitsProcessor"})
+
 # Stock stopping criteria that never read ``scores`` (transformers 5.23): safe with any certificate.
 _SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
@@ -94,6 +101,14 @@ def classify_processor(p: Any) -> str:
     if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
         return "full"  # a finite filter value leaves the filtered tokens some mass
     return _KIND.get(name, "full")
+
+
+def masks_only(processors: Any) -> bool:
+    """Whether the composition of ``processors`` maps each token's score to itself or to −inf, the set fixed by the
+    inputs alone (so it is read off any one processed row): every one is a masking processor (``_MASKS_ONLY``, or
+    declares ``csv_masks_only = True``) or returns its input unchanged (``csv_identity``)."""
+    return all(getattr(p, "csv_identity", False) is True or getattr(p, "csv_masks_only", False) is True
+               or (type(p).__name__ in _MASKS_ONLY and classify_processor(p) == "lower") for p in processors)
 
 
 def classify_stopping_criterion(c: Any) -> str:

@@ -162,9 +162,13 @@ def main() -> None:
         return o
 
     with cpu_load(args.load):
-        for _ in range(args.runs):  # interleaved pairs: drift hits both alike
-            a, ta = timed(stock)
-            b, tb = timed(csv)
+        for i in range(args.runs):  # interleaved pairs, the order alternating (ABBA): drift and order hit both alike
+            if i % 2 == 0:
+                a, ta = timed(stock)
+                b, tb = timed(csv)
+            else:
+                b, tb = timed(csv)
+                a, ta = timed(stock)
             identical &= torch.equal(a, ref) and torch.equal(b, ref)
             t_stock.append(ta), t_csv.append(tb)
         stats = model.csv_last_stats

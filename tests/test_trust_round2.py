@@ -499,3 +499,65 @@ def test_sampling_after_a_lowering_processor_with_huge_logits_follows_the_law():
         assert sps.binomtest(n, len(out), 0.5).pvalue > 1e-3, n
     else:  # one token leads by a huge margin: it is the only draw
         assert bool((out == top2.indices[0]).all())
+
+
+# ------------------------------------------------------------------ 8. the masking processors' shortcut
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
+    """With only masking processors before the check (suppressions, minimum lengths, no-repeat n-grams), the processed
+    value interval is read off the step's scores instead of running them on lo and hi (hf_csv.processors): on every
+    certified step it must equal what running them gives, bit for bit, and the tokens stay stock's (duplicated head
+    rows: exact ties, values on S nudged one ulp so that the interval is wide)."""
+    import copy
+
+    from hf_csv.processors import CSVLogitsProcessor
+
+    _perturbing_values(monkeypatch, seed=2)
+    orig = CSVLogitsProcessor._processed_interval
+    seen = {"fast": 0}
+
+    def both(self, input_ids, sess, last, p, scores=None):
+        got = orig(self, input_ids, sess, last, p, scores)
+        ref = orig(self, input_ids, sess, last, p)  # no scores: the processors run on lo and hi
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        seen["fast"] += scores is not None
+        return got
+
+    monkeypatch.setattr(CSVLogitsProcessor, "_processed_interval", both)
+    ref = tiny_llama(vocab=512, scale=20.0)
+    with torch.no_grad():
+        ref.lm_head.weight[256:] = ref.lm_head.weight[:256]
+    ref = ref.to(dtype)
+    m = hf_csv.enable(copy.deepcopy(ref))
+    for seed in range(3):
+        ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(seed))
+        first = ref.generate(ids, max_new_tokens=3, do_sample=False)[:, 6:].reshape(-1).tolist()
+        kw = dict(max_new_tokens=10, do_sample=False, suppress_tokens=first[:2], begin_suppress_tokens=first[2:4],
+                  no_repeat_ngram_size=2, min_new_tokens=4, eos_token_id=2)
+        want = ref.generate(ids, **kw)
+        got = m.generate(ids, **kw, csv_config=CSVConfig())
+        assert torch.equal(got, want), (seed, got, want)
+    assert seen["fast"] > 0
+
+
+def test_masks_only_recognises_exactly_the_masking_processors():
+    from transformers import (MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                              RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
+                              TemperatureLogitsWarper)
+
+    from hf_csv.policy import masks_only
+
+    sup = SuppressTokensLogitsProcessor([5, 7])
+    assert masks_only([sup, NoRepeatNGramLogitsProcessor(2), MinNewTokensLengthLogitsProcessor(3, 2, 2)])
+    assert masks_only([])
+    assert not masks_only([sup, TemperatureLogitsWarper(0.7)])  # a value map, not a mask
+    assert not masks_only([RepetitionPenaltyLogitsProcessor(1.3)])  # lowers by an amount
+
+    class Mine(SuppressTokensLogitsProcessor):  # a subclass may do anything: not trusted by name
+        pass
+
+    class Declared:
+        csv_masks_only = True
+
+    assert not masks_only([Mine([1])])
+    assert masks_only([Declared()])
