@@ -2,7 +2,7 @@
 
 The certified head wins by a wide margin at batch 1 in fp32, but not everywhere: a bf16 head is read at
 half the bytes by stock's GEMV, a small head is dominated by fixed per-call costs, and a busy CPU changes
-both sides. So each certified head keeps, per (mode, batch rows, dtype, threads), the recent mean time of
+both sides. So each certified head keeps, per (mode, batch rows, dtype, threads), the recent median time of
 its certified calls and of full-head calls, and runs the full head while that is faster, probing the
 other side now and then (every 16 calls, doubling to 128 while the choice holds; when the certified head is
 more than 1.5× faster, 100·(full/certified − 1) calls apart, between 128 and 512, so that probing the slow full
@@ -115,7 +115,9 @@ class SpeedGuard:
                 return
             st["c" if certified else "f"].append(seconds)
             if len(st["c"]) >= (1 if "f" in (st["prior"], st["best"]) else 3) and len(st["f"]) >= 2:
-                c, f = statistics.fmean(st["c"]), statistics.fmean(st["f"])
+                # medians: one slow sample (a first call's one-off work, a GC pause) must not decide for 128+ calls
+                # (whisper-tiny.en: certified steps of 8-10 ms and one of 54 ms made a mean twice the full head's)
+                c, f = statistics.median(st["c"]), statistics.median(st["f"])
                 best = "f" if f < self.margin * c else "c"
                 if best == st["best"]:
                     if ("c" if certified else "f") != best:  # a probe confirmed the choice
@@ -135,5 +137,5 @@ class SpeedGuard:
         st = self._state.get(key)
         if st is None or not st["c"] or not st["f"]:
             return None
-        return {"choice": "certified" if st["best"] == "c" else "full", "certified_ms": 1e3 * statistics.fmean(st["c"]),
-                "full_ms": 1e3 * statistics.fmean(st["f"])}
+        return {"choice": "certified" if st["best"] == "c" else "full", "certified_ms": 1e3 * statistics.median(st["c"]),
+                "full_ms": 1e3 * statistics.median(st["f"])}
