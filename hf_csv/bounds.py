@@ -77,6 +77,7 @@ class ScreenProvider:
         # columns chosen from the first call are re-chosen once from the first ``recalibrate_rows`` rows
         self.recalibrate_rows = 8
         self.recalibrated = False
+        self._recal: Optional[threading.Thread] = None  # the background re-choice (``background`` only)
         self._seen: Optional[torch.Tensor] = None
         self._seen_rows = 0
         # re-choose the columns from the first rows: by default only when none were given; an artifact's columns
@@ -124,8 +125,19 @@ class ScreenProvider:
         cols = self._choose(self._seen)
         self._seen = None
         if not torch.equal(cols.to(self.state.outlier_cols.device), self.state.outlier_cols):
-            self.state.swap_outliers(make_outliers(self.rows, cols, self._weight))
-            self.recalibrated = True
+            state = self.state
+
+            def build() -> None:
+                state.swap_outliers(make_outliers(self.rows, cols, self._weight))
+                self.recalibrated = True
+
+            if self.background:
+                # off the decode path (40 ms a build on whisper-tiny.en, inside its first call): the calls meanwhile
+                # use the columns they have, which are as sound (any choice is); not a daemon, like the packing
+                self._recal = threading.Thread(target=build, name="hf_csv-recalibrate")
+                self._recal.start()
+            else:
+                build()
 
     def ready(self) -> bool:
         """False while the int8 rows are still being packed in the background (the screen would wait)."""

@@ -284,6 +284,20 @@ def test_first_call_columns_are_rechosen_from_more_rows():
         start(later[r % 7: r % 7 + 1])
     assert fixed.state.outlier_cols.tolist() == [0, 1] and not fixed.recalibrated
     assert start.state.outlier_cols.tolist() == [10, 20] and start.recalibrated
+    # a head built for generate (background=True) re-chooses off the decode path; calls meanwhile stay sound
+    bg = ScreenProvider(W, num_outliers=2, background=True)
+    bg(h0)
+    while not bg.ready():
+        pass
+    first = bg.state.outliers
+    for r in range(7):
+        _, U = bg(later[r: r + 1])
+        assert (U.double() >= exact64(W, None, later[r: r + 1])).all()
+    assert bg._recal is not None
+    bg._recal.join()
+    assert bg.recalibrated and bg.state.outlier_cols.tolist() == [10, 20] and bg.state.outliers is not first
+    _, U = bg(later[:1])
+    assert (U.double() >= exact64(W, None, later[:1])).all()
 
 
 def test_rows_count_once_when_the_head_warms_first():
