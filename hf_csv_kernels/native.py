@@ -45,7 +45,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "why_unavailable", "path", "runnable_paths", "load_path", "PATHS", "screen_i8", "interleave",
+__all__ = ["available", "why_unavailable", "path", "runnable_paths", "simd_flags", "load_path", "PATHS", "screen_i8", "interleave",
            "min_code", "row_terms", "MAX_D"]
 
 _SRC = Path(__file__).with_name("csrc") / "screen_avx2.c"
@@ -116,6 +116,12 @@ def _cpu_flags() -> set:
     except OSError:  # pragma: no cover - no /proc
         pass
     return set()
+
+
+def simd_flags() -> list:
+    """This CPU's flags that choose a kernel path or name the host in a benchmark (avx2, fma, avx512*, avx_vnni, amx*),
+    sorted; empty without /proc/cpuinfo."""
+    return sorted(f for f in _cpu_flags() if f.startswith(("avx512", "avx_vnni", "amx")) or f in ("avx2", "fma"))
 
 
 def runnable_paths() -> list:

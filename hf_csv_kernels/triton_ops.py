@@ -70,7 +70,7 @@ def screen_int8_with_block_max(state: ScreenState, H: torch.Tensor, block: int =
     and the final scale multiply by u·|est|; γ_{d+2} covers both.
 
     Compiled without FMA contraction, so the block max is of the stored ``est − rad`` rounded as torch rounds it (a
-    contracted ``fma(acc, s, −rad)`` differed in the last bit on an H200: docs/benchmarks.md §"GPU").
+    contracted ``fma(acc, s, −rad)`` differed in the last bit on an H200: docs/benchmarks.md §4).
     """
     rows = state.rows
     H = H.float().contiguous()

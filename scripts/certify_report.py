@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from hf_csv.certificate import CertifiedHead  # noqa: E402
 from hf_csv.artifact import CSVArtifact  # noqa: E402
+from hf_csv_kernels import native  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 from _load import cpu_load, machine_load  # noqa: E402
@@ -70,23 +71,6 @@ def timeit(fn, reps: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
-
-
-def _native_path():
-    from hf_csv_kernels import native
-
-    return native.path()
-
-
-def _cpu_flags() -> list:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split()
-                              if f.startswith(("avx512", "avx_vnni", "amx")) or f in ("avx2", "fma"))
-    except OSError:
-        pass
-    return []
 
 
 def main(argv=None) -> dict:
@@ -161,7 +145,7 @@ def main(argv=None) -> dict:
         "kernel_backend": os.environ.get("HF_CSV_KERNELS", "auto"),
         # the native int8 screen's path (avx512vnni / avxvnni / avx2; None: fbgemm or not the screen) and the CPU's
         # flags that choose it, so a figure names its host
-        "screen_path": _native_path(), "cpu_flags": _cpu_flags(),
+        "screen_path": native.path(), "cpu_flags": native.simd_flags(),
         "vocab_size": head.vocab_size, "hidden_size": head.hidden_size, "positions": int(len(H)),
         "certified_fraction": st.certified_fraction,
         "mean_subvocab_fraction": float(sizes.mean()) if len(sizes) else float("nan"),

@@ -28,19 +28,15 @@ _CHILD = "--child"
 
 
 def _cpu() -> dict:
-    model, flags = platform.processor(), set()
+    from hf_csv_kernels import native
+
+    model = platform.processor()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                     model)
     except OSError:
         pass
-    return {"model": model, "cores": os.cpu_count(),
-            "flags": sorted(f for f in flags if f.startswith(("avx512", "avx_vnni", "amx")) or f in ("avx2", "fma"))}
+    return {"model": model, "cores": os.cpu_count(), "flags": native.simd_flags()}
 
 
 def child(path: str, shapes: list, threads: list, reps: int) -> dict:
