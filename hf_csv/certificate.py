@@ -702,8 +702,7 @@ class CertifiedHead:
             # the draw subtracts m (our row's largest value) before the noise; stock's values must lie close to it
             # for the noise to resolve on the full-head path too, so a row whose slack is that wide takes stock's row
             # now (decided from the values alone, before the noise is read)
-            width = (law_hi - law_lo).masked_fill(~inT, 0.0).nan_to_num(0.0).amax(1)
-            bad |= (width >= GUMBEL_SHIFT_FROM) & (res.slack > 0)
+            bad |= _slack_too_wide(law_lo, law_hi, inT, res.slack)
             if bool(bad.any()):
                 self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
                 res.stats.near_ties -= int(reach.sum())
@@ -750,8 +749,7 @@ class CertifiedHead:
         top = row_max_finite(law)
         far = torch.isfinite(top) & ((top - m).abs() >= _GUMBEL_FAR) & ~info.complete
         if lo is not None:
-            width = (hi - lo).masked_fill(~S, 0.0).nan_to_num(0.0).amax(1)
-            far |= (width >= GUMBEL_SHIFT_FROM) & (slack > 0) & ~info.complete
+            far |= _slack_too_wide(lo, hi, S, slack) & ~info.complete
         if bool(far.any()):
             self._to_stock(far, logits, S, None, slack, Hf, Hn, d, stats)
             stats.near_ties -= int(far.sum())  # (a wide bound, not a tie)
@@ -947,6 +945,14 @@ def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int
 # a Gumbel draw's values lie within this of its shift at the top of the row (ulp 1.2e-4 there); farther, the noise
 # would resolve worse than on rows of ordinary magnitude, so the row takes the full head and its own shift
 _GUMBEL_FAR = 16 * GUMBEL_SHIFT_FROM
+
+
+def _slack_too_wide(lo: torch.Tensor, hi: torch.Tensor, on: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
+    """bool [N]: rows whose law interval [lo, hi] on the tokens ``on`` is at least ``GUMBEL_SHIFT_FROM`` wide where the
+    values carry slack: the noise must resolve such a row on the full-head path too, so it takes stock's row
+    (docs/certificates.md §2.3), decided from the values alone, before the noise is read."""
+    width = (hi - lo).masked_fill(~on, 0.0).nan_to_num(0.0).amax(1)
+    return (width >= GUMBEL_SHIFT_FROM) & (slack > 0)
 
 
 def _draw_undecided(tokens: torch.Tensor, g: torch.Tensor, law_lo: torch.Tensor, law_hi: torch.Tensor) -> torch.Tensor:

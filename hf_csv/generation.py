@@ -190,6 +190,14 @@ def _called_from(fn: Callable, depth: int = 4) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=16)
+def _parameters(fn: Callable) -> tuple:
+    """The parameter names of ``fn`` (a class's ``generate``), read once per function."""
+    import inspect
+
+    return tuple(inspect.signature(fn).parameters)
+
+
 def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig] = None,
                     defaults: Optional[dict] = None, **kwargs: Any) -> Any:
     """The body of the Hub ``custom_generate/generate.py`` template (``hf-csv push-model``).
@@ -211,14 +219,12 @@ def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig
             src = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", "")
             if src and (Path(src) / CONFIG_NAME).is_file():
                 csv_config["index"] = src
-    import inspect
-
     from transformers.generation.utils import GenerationMixin
 
     # transformers passes generate's own unset parameters as None; a None among the other kwargs was passed on
     # purpose (Whisper's generate overrides begin_suppress_tokens / suppress_tokens with None: dropping those would
     # restore the model's defaults, and a duplicate SuppressTokensAtBegin processor with its warning)
-    named = inspect.signature(GenerationMixin.generate).parameters
+    named = _parameters(GenerationMixin.generate)
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in named}
     cls_generate = type(model).generate
 
@@ -227,7 +233,7 @@ def custom_generate(model: nn.Module, *args: Any, csv_config: Optional[CSVConfig
         # (Whisper's) prepared them; run the same function without custom_generate, not the subclass's again
         cls_generate = GenerationMixin.generate
     elif "inputs" in kwargs:
-        params = inspect.signature(cls_generate).parameters
+        params = _parameters(cls_generate)
         if "inputs" not in params and "input_features" in params:  # Whisper's generate names its input so
             kwargs["input_features"] = kwargs.pop("inputs")
     return csv_generate(model, functools.partial(cls_generate, model), csv_config, args, kwargs)

@@ -152,6 +152,7 @@ class CSVSession:
     scores_internal: bool = False
     lp_record: bool = False
     lp_steps: list = field(default_factory=list)
+    check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.processors._Prefix)
     beam_step: Any = None  # beam_exact mode: this step's processed log-prob intervals (hf_csv.beam.BeamStep)
     beam_state: Any = None  # ... and the intervals of stock's beam bookkeeping (hf_csv.beam)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head

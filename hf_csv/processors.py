@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +33,8 @@ from transformers import LogitsProcessor
 
 from hf_csv_kernels.verify import gumbel_shift, row_max_finite
 
-from .certificate import _f32_down, _f32_up, value_interval
+from . import checks
+from .certificate import value_interval
 from .errors import CSVError
 from .head import CSVSession, flush_guard
 from .policy import classify_processor, masks_only
@@ -55,6 +55,19 @@ def binding_scope():
         yield
     finally:
         _BOUND.reset(token)
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """The processors a CSVLogitsProcessor follows in one call: all of them (``every``), the order-preserving ones
+    the bound ``ob`` runs through (``orders``), those a full-head re-run repeats (``runs``: not identity wrappers),
+    and whether all of them only mask (:func:`hf_csv.policy.masks_only`)."""
+
+    owner: object
+    every: tuple
+    orders: tuple
+    runs: tuple
+    masks_only: bool
 
 
 class CSVLogitsProcessor(LogitsProcessor):
@@ -148,20 +161,16 @@ class CSVLogitsProcessor(LogitsProcessor):
             if sess.post is not None and not sess.post.identity:
                 ob = sess.post.apply(ob)
             ob = ob.float()[:, None]
-            for proc in sess.processors or ():
-                if proc is self:
-                    break
-                if classify_processor(proc) == "order" and not getattr(proc, "csv_identity", False):  # e.g. temperature
-                    ob = proc(input_ids, ob)
+            for proc in self._prefix(sess).orders:  # e.g. temperature
+                ob = proc(input_ids, ob)
             ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
             ts = None
             if sess.mode == "threshold":
-                bad = _min_p_unsure(scores.float(), ob, sess.min_p)
+                bad = checks.min_p_unsure(scores.float(), ob, sess.min_p)
             elif sess.ts_proc is not None:
                 bad, ts = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
             else:
-                kth = scores.amax(1).float() if k == 1 else scores.float().topk(k, dim=1).values[:, -1]
-                bad = ~(kth > ob)
+                bad = checks.topk_unsure(scores, ob, k)
                 if last.slack is not None and not sess.draft:
                     bad |= self._set_undecided(input_ids, scores, sess, last, p, k, ob)
             if sess.lp_record:
@@ -169,19 +178,30 @@ class CSVLogitsProcessor(LogitsProcessor):
                 _record_lp(sess, input_ids, out, last, p, bad, ts)
                 return out
         else:  # beam, ε-certificate (mode="epsilon"): bound in log-prob space
-            r = raw.float()
-            ob = r.amax(1) - torch.logsumexp(r, 1) + math.log(sess.config.beam_epsilon / 2)
-            ob = torch.where(last.mask[:, p].all(1), torch.full_like(ob, float("-inf")), ob)
-            kth = scores.float().topk(k, dim=1).values[:, -1]
-            bad = ~(kth > ob)
+            ob = checks.epsilon_bound(raw, last.mask[:, p].all(1), sess.config.beam_epsilon)
+            bad = checks.topk_unsure(scores, ob, k)
         return self._rerun(input_ids, scores, sess, last, p, bad)
+
+    def _prefix(self, sess: CSVSession) -> "_Prefix":
+        """The processors before this one in the call's list, sorted once per call (the list is fixed per call)."""
+        got = sess.check_prefix
+        if got is None or got.owner is not self:
+            every = []
+            for proc in sess.processors or ():
+                if proc is self:
+                    break
+                every.append(proc)
+            ident = [getattr(proc, "csv_identity", False) for proc in every]
+            got = sess.check_prefix = _Prefix(
+                owner=self, every=tuple(every),
+                orders=tuple(p for p, i in zip(every, ident) if not i and classify_processor(p) == "order"),
+                runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
+        return got
 
     def _before_me(self, input_ids: torch.Tensor, x: torch.Tensor, sess: CSVSession) -> torch.Tensor:
         """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
         function of that score: "order" and "lower" kinds), as stock runs them."""
-        for proc in sess.processors or ():
-            if proc is self:
-                break
+        for proc in self._prefix(sess).every:
             x = proc(input_ids, x)
         return x
 
@@ -198,12 +218,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         raw = last.logits[:, p]
         lo, hi = value_interval(last.acc[:, p], last.slack[:, p], raw.dtype)
         lo, hi = lo.to(raw.dtype), hi.to(raw.dtype)
-        before = []
-        for proc in sess.processors or ():
-            if proc is self:
-                break
-            before.append(proc)
-        if scores is not None and masks_only(before):
+        if scores is not None and self._prefix(sess).masks_only:
             M = (scores == float("-inf")) & torch.isfinite(raw)
             return lo.float().masked_fill(M, float("-inf")), hi.float().masked_fill(M, float("-inf"))
         return (self._before_me(input_ids, lo, sess).float(), self._before_me(input_ids, hi, sess).float())
@@ -216,10 +231,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if last.acc is None or not bool((slack > 0).any()):
             return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
         f_lo, f_hi = self._processed_interval(input_ids, sess, last, p, scores)
-        top = scores.float().topk(k, dim=1).indices
-        inside = f_lo.gather(1, top).amin(1)
-        others = f_hi.scatter(1, top, float("-inf")).amax(1)
-        return ~((inside > others) & (inside > ob)) & (slack > 0)
+        return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
 
     def _draw(self, input_ids, scores, sess, last, p):
         """Sampling with lowering processors (docs/certificates.md §2.3): the Gumbel-max draw over the final
@@ -228,23 +240,10 @@ class CSVLogitsProcessor(LogitsProcessor):
         recomputed with the full head (the same noise, so the law stays exact). Returns a one-hot row
         (the winner keeps its score) from which stock's sampler can only draw the winner."""
         g = last.noise[:, p]
-        cut = last.cut[:, p]
-        # the shift the head fixed with the cut (its units); a row without a cut (a full row) uses its own max
-        m = gumbel_shift(row_max_finite(scores))
-        if last.shift is not None:
-            m = torch.where(torch.isfinite(cut), last.shift[:, p], m)
-        m = m[:, None]
-        val = (scores.float() - m) + g
-        win = val.max(1)
-        bad = ~(win.values >= cut) | ~torch.isfinite(win.values)
-        tok = win.indices
-        slack = last.slack[:, p] if last.slack is not None else None
-        if slack is not None and last.acc is not None and bool((slack > 0).any()):
-            # the winner must win for every processed score within the values' slack, and reach the cut (§2.0)
-            f_lo, f_hi = self._processed_interval(input_ids, sess, last, p, scores)
-            mine = ((f_lo - m).gather(1, tok[:, None]) + g.gather(1, tok[:, None]))[:, 0]
-            rest = ((f_hi - m) + g).scatter(1, tok[:, None], float("-inf")).amax(1)
-            bad |= ~((mine > rest) & (mine >= cut)) & (slack > 0)
+        slack = last.slack[:, p] if last.slack is not None and last.acc is not None else None
+        bad, tok, m = checks.gumbel_unsure(
+            scores, g, last.cut[:, p], None if last.shift is None else last.shift[:, p], slack,
+            lambda: self._processed_interval(input_ids, sess, last, p, scores))
         if bool(bad.any()):
             idx = bad.nonzero(as_tuple=True)[0]
             full = self._rerun(input_ids, scores, sess, last, p, bad)
@@ -253,23 +252,18 @@ class CSVLogitsProcessor(LogitsProcessor):
             scores = full
         elif self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
-        return _winner_only(scores, tok)
+        return checks.winner_only(scores, tok)
 
     def _nucleus(self, input_ids, scores, sess, last, p):
         """Top-p without a top-k (docs/certificates.md §3.5), in the warper's place: stock's warper output where
         the bounds decide every token's membership of the nucleus, else the full row through stock's warper."""
         warper = sess.top_p_proc
         S = last.mask[:, p]
-        up = last.upper[:, p]
-        if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
-            up = up + up.abs() * torch.finfo(sess.out_dtype).eps
-        for proc in sess.processors or ():
-            if proc is self:
-                break
-            if classify_processor(proc) == "order" and not getattr(proc, "csv_identity", False):  # temperature
-                up = proc(input_ids, up)
+        up = checks.raise_by_dtype(last.upper[:, p], sess.out_dtype)
+        for proc in self._prefix(sess).orders:  # temperature
+            up = proc(input_ids, up)
         complete = S.all(1)
-        remove, bad = _nucleus_decide(scores, S, up, float(warper.top_p))
+        remove, bad = checks.nucleus_decide(scores, S, up, float(warper.top_p))
         bad &= ~complete
         st = sess.extra.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
                                                "rows_rerun": 0})
@@ -332,34 +326,19 @@ class CSVLogitsProcessor(LogitsProcessor):
         new = raw.float()
         if sess.mode == "beam":
             new = torch.log_softmax(new, dim=-1)
-        for proc in sess.processors or ():
-            if proc is self:
-                break
-            if not getattr(proc, "csv_identity", False):  # (a no-speech detector's forward: once is enough)
-                new = proc(input_ids, new)
+        for proc in self._prefix(sess).runs:  # (not a no-speech detector's forward: once is enough)
+            new = proc(input_ids, new)
         return new
-
-
-# Slack of the timestamp decision (docs/certificates.md §3.4): stock compares fl(logsumexp(fl(log_softmax(x))[ts]))
-# with fl(max(fl(log_softmax(x))[text])) under its normalizer, this vector under another; each side is within a few
-# ulps of its magnitude plus the logsumexp's summation error over <= ~1,500 terms (γ_1500 < 1e-4) of the exact
-# difference. 1e-3 + 1e-5·magnitude is a ten-fold margin over that.
-_TS_SLACK_ABS, _TS_SLACK_REL = 1e-3, 1e-5
 
 
 def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor, ob: torch.Tensor,
                       computed: torch.Tensor) -> torch.Tensor:
-    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax.
+    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax
+    (:func:`hf_csv.checks.timestamp_decision`, docs/certificates.md §3.4).
 
     The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
-    tokens when logsumexp(timestamps) > max(text) in log-probabilities (the normalizer cancels). Its masks are
-    read by running it on a probe on which (b) cannot fire unless the text is already all masked. Sure when
-    * no uncomputed token survives the masks: both vectors are then equal after them; or
-    * the text max here is above ``ob`` (so it is stock's) and clear of the timestamp logsumexp by the slack:
-      the same decision, and the same argmax after it (uncomputed tokens <= ob < that max); or
-    * the timestamp logsumexp (exact: the block is always computed) clears max(text max, ob): both mask the
-      text and keep equal timestamp blocks.
-    """
+    tokens when logsumexp(timestamps) > max(text) in log-probabilities. Its masks are read by running it on a
+    probe on which (b) cannot fire unless the text is already all masked."""
     proc = sess.ts_proc
     tb = int(proc.timestamp_begin)
     probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -367,19 +346,7 @@ def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor
     M = proc(input_ids, probe) == float("-inf")
     xm = x.double().masked_fill(M, float("-inf"))
     alive = (~computed & ~M).any(1)
-    ob = ob.double()
-    if not getattr(proc, "_detect_timestamp_from_logprob", True):  # rules only: a lowering processor
-        ok = ~alive | (xm.amax(1) > ob)
-        ts_won = torch.zeros_like(ok)
-    else:
-        a = xm[:, :tb].amax(1)
-        t = torch.logsumexp(xm[:, tb:], 1)
-        mag = torch.where(torch.isfinite(a), a.abs(), 0) + torch.where(torch.isfinite(t), t.abs(), 0)
-        slack = _TS_SLACK_ABS + _TS_SLACK_REL * mag
-        clear = (t - a).abs() > slack
-        ts_won = (t - torch.maximum(a, ob)) > slack
-        ok = ~alive | ((a > ob) & clear) | ts_won
-        ts_won = ts_won | ((a > ob) & clear & (t > a))
+    ok, ts_won = checks.timestamp_decision(xm, tb, ob, alive, getattr(proc, "_detect_timestamp_from_logprob", True))
     st = sess.extra.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
                                               "text_decided": 0, "rows_rerun": 0})
     n = int(x.shape[0])
@@ -444,9 +411,6 @@ def stock_processed(sess: CSVSession, raw: torch.Tensor, input_ids: torch.Tensor
     return x
 
 
-_U32 = 2.0 ** -24
-
-
 @dataclass
 class BeamStep:
     """One beam step's processed log-probs as intervals (beam_exact mode; read by hf_csv.beam).
@@ -462,72 +426,18 @@ class BeamStep:
 
 
 def beam_logprob_box(sess: CSVSession, input_ids: torch.Tensor, last, p: int, stop: Optional[LogitsProcessor] = None):
-    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10).
-
-    Stock computes fl(log_softmax(fp32(logits))) over V, then the processors. On S the logits are stock's; the
-    normalizer lies in [LSE_S, log(e^{LSE_S} + R)] with R = Σ_{i∉S} e^{upper_i}, and stock's float32 summation in any
-    order errs by at most C (the §3.6 charge), so stock's log-prob of i ∈ S lies in
-    [x_i − LSE_hi − log1p(ρ) − s_i, x_i − LSE_S − log1p(−ρ) + s_i], ρ = C/Z_S, s_i = 4u(|x_i| + |LSE_hi| + 1), rounded
-    outward to float32. The processors allowed here (hf_csv.policy) act token by token, monotone and never raising,
-    so running them on the lo row and on the hi row brackets stock's processed value; a token outside S has stock
-    value <= bound − LSE_S − log1p(−ρ) + s (bound: the head's per-row bound on uncomputed logits)."""
-    raw = last.logits[:, p]
-    S = last.mask[:, p]
-    up = last.upper[:, p].double()
-    if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
-        up = up + up.abs() * torch.finfo(sess.out_dtype).eps
-    up = up + up.abs() * 4 * _U32  # (U + E was summed in float32)
-    bound = torch.where(S, torch.full_like(up, float("-inf")), up).amax(1)  # every token outside S is below
-    x = raw.double()
-    neg = torch.full_like(x, float("-inf"))
-    fin = torch.isfinite(x)
-    m = torch.where(fin, x, neg).amax(1)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    out = ~S
-    t_s = torch.exp(torch.where(fin, x - m[:, None], neg))
-    t_o = torch.where(out, torch.exp((up - m[:, None]).clamp(max=700.0)), torch.zeros_like(up))
-    zs, R = t_s.sum(1), t_o.sum(1)
-    z_hi = zs + R
-    d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))
-    d_o = torch.where(out, (m[:, None] - up).clamp(min=0.0), torch.zeros_like(up))
-    C = _round_charge(t_s, d_s, z_hi) + _round_charge(t_o, d_o, z_hi) + 64 * _U32 * z_hi
-    rho = C / zs
-    lse_s = m + torch.log(zs)
-    lse_hi = m + torch.log(z_hi)
-    ok = (rho < 0.5) & torch.isfinite(lse_hi) & (zs > 0)
-    rho = torch.where(ok, rho, torch.zeros_like(rho))
-    a = (lse_hi + torch.log1p(rho))[:, None]
-    b = (lse_s + torch.log1p(-rho))[:, None]
-    s = 4 * _U32 * (x.abs() + lse_hi.abs()[:, None] + 1.0)
-    lo64 = torch.where(fin, x - a - s, neg)
-    hi64 = torch.where(fin, x - b + s, neg)
-    ob = bound - b[:, 0] + 4 * _U32 * (bound.abs() + lse_hi.abs() + 1.0)
-    # rows whose normalizer interval is not usable: every decision on them fails (hf_csv.beam restarts the call)
-    lo64 = torch.where(ok[:, None] & fin, lo64, torch.where(fin, torch.full_like(x, float("-inf")), neg))
-    hi64 = torch.where(ok[:, None] & fin, hi64, torch.where(fin, torch.full_like(x, float("inf")), neg))
-    ob = torch.where(ok, ob, torch.full_like(ob, float("inf")))
-    lo, hi = _f32_down(lo64), _f32_up(hi64)
+    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10): the interval of stock's
+    log_softmax (:func:`hf_csv.checks.logprob_box`), then the processors. Those allowed here (hf_csv.policy) act
+    token by token, monotone and never raising, so running them on the lo row and on the hi row brackets stock's
+    processed value, and ``ob`` stays a bound on every token outside S."""
+    lo, hi, ob = checks.logprob_box(last.logits[:, p], last.mask[:, p],
+                                    checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype))
     for proc in sess.processors or ():
         if proc is stop:
             break
         if not (isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False)):
             lo, hi = proc(input_ids, lo), proc(input_ids, hi)
-    return lo, hi, _f32_up(ob)
-
-
-def _round_charge(t: torch.Tensor, d: torch.Tensor, z_hi: torch.Tensor) -> torch.Tensor:
-    """Per row, a bound (in units of the row's max term) on the rounding error of stock's float32 sum of the terms
-    exp(x_k − max) whose upper bounds are ``t`` (``d``: lower bounds on max − x_k), in *any* summation order
-    (docs/certificates.md §3.6). Each addition errs by at most min(u·Z, its smaller operand), which charges a term
-    t >= τ = u·Z at most 3τ and a smaller one t·(3 + log2(τ/t)); exp within 1 ulp and the rounded subtraction
-    x_k − max add u·(2t + max_{d' >= d} d'·e^{−d'})."""
-    tau = (_U32 * z_hi)[:, None]
-    small = t < tau
-    ratio = torch.where(small, tau / t.clamp(min=1e-300), torch.ones_like(t))
-    c = torch.where(small, t * (3.0 + torch.log2(ratio)), 3.0 * tau.expand_as(t))
-    g = torch.where(d >= 1.0, d * torch.exp(-d), torch.full_like(d, math.exp(-1.0)))
-    c = c + _U32 * (2.0 * t + g)
-    return torch.where(t > 0, c, torch.zeros_like(c)).sum(1)
+    return lo, hi, ob
 
 
 def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Tensor], last, p: int,
@@ -541,113 +451,19 @@ def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Te
         return
     B = out.shape[0]
     S = last.mask[:, p]
-    up = last.upper[:, p].double()
-    if sess.out_dtype != torch.float32:  # stock's logit is the fp32 accumulator rounded to the model dtype
-        up = up + up.abs() * torch.finfo(sess.out_dtype).eps
+    up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
     x = out.double()
-    fin = torch.isfinite(x)
-    m = torch.where(fin, x, torch.full_like(x, float("-inf"))).amax(1)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     outside = ~S
     if ts is not None:
         M, text_masked = ts
         outside = outside & ~M
         outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
-    neg = torch.full_like(up, float("-inf"))
-    logR = torch.logsumexp(torch.where(outside, up, neg), 1)
-    t_s = torch.exp(torch.where(fin, x - m[:, None], neg))
-    t_o = torch.where(outside, torch.exp((up - m[:, None]).clamp(max=700.0)), torch.zeros_like(up))
-    z_hi = t_s.sum(1) + t_o.sum(1)
-    d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))
-    d_o = torch.where(outside, (m[:, None] - up).clamp(min=0.0), torch.zeros_like(up))
-    C = _round_charge(t_s, d_s, z_hi) + _round_charge(t_o, d_o, z_hi) + 64 * _U32 * z_hi
+    logR = torch.logsumexp(torch.where(outside, up, torch.full_like(up, float("-inf"))), 1)
+    m, _, _, C = checks.normalizer_terms(x, up, outside)
     ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
     ex |= S.all(1)
     sess.lp_steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
                           "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
-
-
-def _nucleus_sigma(V: int) -> float:
-    """Relative slack of the top-p decision (docs/certificates.md §3.5): stock's float cumulative probability
-    C'_j = fl(cumsum(fl(softmax(sorted x))))_j is within a factor 1 ± (γ_{V−1} + γ_{j−1} + 6u) of the exact C_j
-    in any summation order (exp within 1 ulp); 3·V·u + 1e-3 is a margin of more than 1.4 over that."""
-    return 3.0 * V * 2.0 ** -24 + 1e-3
-
-
-def _nucleus_decide(scores: torch.Tensor, S: torch.Tensor, up: torch.Tensor, top_p: float):
-    """(remove [B, V], unsure [B]) for the top-p warper on stock's vector, from this vector (exact on S, -inf
-    elsewhere) and ``up`` (>= stock's final score of every token outside S).
-
-    Stock removes token i iff C_i = mass of the tokens sorted at or below it <= 1 − top_p. With Z_S the exact mass
-    on S and R >= the mass outside S (both relative to the row's max on S), for i in S:
-    C_i >= (Σ_{j∈S, x_j<x_i} + e_i) / (Z_S + R) and C_i <= (Σ_{j∈S, x_j<=x_i} + R) / Z_S (ties in any order); every
-    token outside S has C <= (R + Σ_{j∈S, x_j<=ob}) / Z_S, ob = its largest bound. A row is sure when every
-    decision clears 1 − top_p by the relative slack σ."""
-    B, V = scores.shape
-    thr = 1.0 - top_p
-    sig = _nucleus_sigma(V)
-    x = scores.double()
-    remove = torch.zeros(B, V, dtype=torch.bool, device=scores.device)
-    bad = torch.zeros(B, dtype=torch.bool, device=scores.device)
-    for b in range(B):  # rows are few; each works on its (small) computed set only
-        fin = torch.isfinite(x[b])
-        idx = fin.nonzero(as_tuple=True)[0]
-        if idx.numel() == 0:
-            bad[b] = True
-            continue
-        v = x[b, idx]
-        m = v.max()
-        e = torch.exp(v - m)
-        zs = e.sum()
-        unc = ~S[b]
-        ub = up[b].double()[unc]
-        R = torch.exp(ub - m).sum() if ub.numel() else torch.zeros((), dtype=torch.float64)
-        if not bool(torch.isfinite(R)):
-            bad[b] = True
-            continue
-        sv, order = torch.sort(v)
-        cum = torch.cat([torch.zeros(1, dtype=torch.float64, device=v.device), torch.cumsum(e[order], 0)])
-        lt = cum[torch.searchsorted(sv, v, right=False)]
-        le = cum[torch.searchsorted(sv, v, right=True)]
-        lo = (lt + e) / (zs + R)
-        hi = (le + R) / zs
-        rm = hi < thr * (1 - sig)
-        keep = lo > thr * (1 + sig)
-        ok = bool((rm | keep).all())
-        if ub.numel():
-            ob = ub.max()
-            below = cum[torch.searchsorted(sv, ob.reshape(1), right=True)][0]
-            ok &= bool((R + below) / zs < thr * (1 - sig))
-        if ok:
-            remove[b, idx[rm]] = True
-        else:
-            bad[b] = True
-    return remove, bad
-
-
-# Relative slack of the min-p decision in float arithmetic (docs/certificates.md §3.3): the warper compares
-# fl(fl(exp(fl(x_i − m)))·r) with fl(min_p·r), r = fl(1/Z); the rounding moves x_i − m by at most
-# ~8u + u·|x_i − m| in log space (exp within 1 ulp). 1e-5 is a 20-fold margin over that, which also
-# covers an exp accurate to ~100 ulps.
-_MIN_P_SLACK = 1e-5
-
-
-def _min_p_unsure(x: torch.Tensor, ob: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Rows where the min-p warper's decision on this vector might differ from its decision on stock's.
-
-    Sure when (a) every uncomputed token's final score (<= ``ob``) is clearly below m + ln(min_p), so stock
-    removes it, as it is removed here (-inf, or a post-map value <= ob); and (b) every finite computed score
-    is clear of the threshold, so both vectors give it the same decision (the normalizer cancels).
-    m is the row max here, which is stock's max since every uncomputed score is below m.
-    """
-    lm = math.log(min_p)
-    m = x.amax(1)
-    gap_out = (m + lm) - ob
-    out_ok = (ob == float("-inf")) | (gap_out > _MIN_P_SLACK * (1 + (m - ob).abs()))
-    fin = torch.isfinite(x)
-    dist = (x - m[:, None] - lm).abs()
-    near = fin & ~(dist > _MIN_P_SLACK * (1 + (x - m[:, None]).abs()))
-    return ~out_ok | near.any(1) | ~torch.isfinite(m)
 
 
 class GumbelCoupledDraw(LogitsProcessor):
@@ -690,13 +506,4 @@ class GumbelCoupledDraw(LogitsProcessor):
             else:
                 conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
             sess.extra["_draft_conf_last"] = conf
-        return _winner_only(scores, torch.tensor([tok], device=scores.device))
-
-
-def _winner_only(scores: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """The row stock's sampler can only draw ``tok`` from: the winner keeps its own score, every other token -inf
-    (a row whose every score is -inf keeps stock's behaviour: all -inf)."""
-    out = torch.full_like(scores, float("-inf"))
-    r = torch.arange(scores.shape[0], device=scores.device)
-    out[r, tok] = scores[r, tok]
-    return out
+        return checks.winner_only(scores, torch.tensor([tok], device=scores.device))

@@ -173,7 +173,7 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
             # round without drafts
             others = others + [GumbelCoupledDraw(sess, always=sess.draft or not scores_out)]
         procs[:] = others
-        sess.processors = procs
+        sess.processors, sess.check_prefix = procs, None  # (the check's prefix is sorted again for this list)
         return procs
 
     return _get_logits_processor

@@ -17,7 +17,6 @@ Patch points (scoped to one certified call on one model, restored on exit): the 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Optional
 
 import torch
@@ -26,10 +25,11 @@ from torch import nn
 
 from .errors import CSVError
 from .head import CSVSession, active_session
-from .processors import _U32, stock_processed
+from .checks import avg_logprob_interval
+from .processors import stock_processed
 from .scope import instance_override
 
-__all__ = ["threshold_of", "whisper_decisions", "avg_logprob_interval"]
+__all__ = ["threshold_of", "whisper_decisions"]
 
 
 def threshold_of(model: nn.Module, kwargs: dict) -> Optional[float]:
@@ -46,44 +46,6 @@ def threshold_of(model: nn.Module, kwargs: dict) -> Optional[float]:
 def _step_lp(row: torch.Tensor, tok: int) -> torch.Tensor:
     """Stock's log-prob of ``tok`` in one kept score row, with stock's op (row-wise, so the same bits)."""
     return F.log_softmax(row[None].float(), dim=-1)[0, tok].to(row.dtype)
-
-
-def avg_logprob_interval(rows: list, tokens: torch.Tensor, steps: list, index: int,
-                         exact_lp: dict) -> tuple[float, float, list]:
-    """[lo, hi] containing stock's avg_logprob of one sequence, and per step the interval width.
-
-    ``rows``: the kept score rows (this call's), ``steps``: hf_csv's per-step records, ``exact_lp``: step -> stock's
-    own log-prob where known (replayed or exact steps). Widths are 0 on those."""
-    n = len(rows)
-    lo_sum = hi_sum = abs_sum = 0.0
-    widths = []
-    for t in range(n):
-        tok = int(tokens[t])
-        if t in exact_lp:
-            v = float(exact_lp[t])
-            lo_sum, hi_sum, abs_sum = lo_sum + v, hi_sum + v, abs_sum + abs(v)
-            widths.append(0.0)
-            continue
-        st = steps[t]
-        r = rows[t].double()
-        x = float(r[tok])
-        lse_s = float(torch.logsumexp(r, 0))  # the kept row's finite entries: stock's values on S
-        lse_hi = float(torch.logaddexp(torch.tensor(lse_s, dtype=torch.float64), st["logR"][index]))
-        rho = math.exp(min(0.0, float(st["logC"][index]) - lse_s))  # summation error, relative to Z >= Z_S
-        if not (math.isfinite(x) and math.isfinite(lse_s)) or rho >= 0.5:
-            lo, hi = -math.inf, math.inf
-        else:
-            slack = 4 * _U32 * (abs(x) + abs(lse_hi) + 1.0)
-            if rows[t].dtype != torch.float32:
-                slack += (abs(x - lse_s) + abs(x - lse_hi) + 1.0) * torch.finfo(rows[t].dtype).eps
-            lo = x - lse_hi - math.log1p(rho) - slack
-            hi = x - lse_s - math.log1p(-rho) + slack
-        lo_sum, hi_sum, abs_sum = lo_sum + lo, hi_sum + hi, abs_sum + max(abs(lo), abs(hi))
-        widths.append(hi - lo)
-    # stock adds n float32 values in order and divides by n: within n·u·Σ|v| and one more rounding
-    sum_slack = (n + 2) * _U32 * abs_sum
-    lo, hi = (lo_sum - sum_slack) / n, (hi_sum + sum_slack) / n
-    return lo - abs(lo) * 2 * _U32, hi + abs(hi) * 2 * _U32, widths
 
 
 def _replay(sess: CSVSession, st: dict, index: int) -> torch.Tensor:

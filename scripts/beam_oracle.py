@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import hf_csv.certificate as cert
+import hf_csv.checks as checks
 import hf_csv.head as head
 import hf_csv.processors as proc
 
@@ -45,7 +46,7 @@ def main() -> None:
     args, rest = ap.parse_known_args()
     lower: dict[int, torch.Tensor] = {}
     widths: list[float] = []
-    u32 = proc._U32
+    u32 = checks.U32
 
     def spec(self, H, eps=1e-2, temperature=1.0, out_dtype=None):
         if eps != head.BEAM_EPS:  # not the beam head: the shipped path
@@ -83,7 +84,7 @@ def main() -> None:
         if args.rounding == "any-order":
             d_s = torch.where(fin, m[:, None] - x, torch.zeros_like(x))
             d_o = torch.where(out, (m[:, None] - up).clamp(min=0.0), torch.zeros_like(up))
-            C = proc._round_charge(t_s, d_s, z_hi) + proc._round_charge(t_o, d_o, z_hi) + 64 * u32 * z_hi
+            C = checks.round_charge(t_s, d_s, z_hi) + checks.round_charge(t_o, d_o, z_hi) + 64 * u32 * z_hi
             rho = C / z_lo
         widths.extend((torch.log(z_hi / z_lo) + 2 * rho).tolist())
         lse_lo, lse_hi = m + torch.log(z_lo), m + torch.log(z_hi)
@@ -95,13 +96,13 @@ def main() -> None:
         lo64 = torch.where(fin, x - a - s, neg)
         hi64 = torch.where(fin, x - b + s, neg)
         ob = bound - b[:, 0] + 4 * u32 * (bound.abs() + lse_hi.abs() + 1.0)
-        lo, hi = proc._f32_down(lo64), proc._f32_up(hi64)
+        lo, hi = cert._f32_down(lo64), cert._f32_up(hi64)
         for pr in sess.processors or ():
             if pr is stop:
                 break
             if not (isinstance(pr, proc.CSVLogitsProcessor) or getattr(pr, "csv_identity", False)):
                 lo, hi = pr(input_ids, lo), pr(input_ids, hi)
-        return lo, hi, proc._f32_up(ob)
+        return lo, hi, cert._f32_up(ob)
 
     orig_spec = cert.CertifiedHead.spec
     cert.CertifiedHead.spec = spec

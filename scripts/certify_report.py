@@ -31,6 +31,7 @@ from hf_csv_kernels import native  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 from _load import cpu_load, machine_load  # noqa: E402
+from _timing import median_ms  # noqa: E402
 
 DEFAULT_PROMPTS = REPO.parent / "shared" / "models" / "prompts.jsonl"
 
@@ -62,15 +63,6 @@ def hidden_states(model_dir: str, text: str, positions: int, dtype: torch.dtype)
     if not torch.allclose(chk, ref, atol=1e-2 * max(1.0, ref.abs().max().item()), rtol=1e-3):
         raise RuntimeError("hidden states do not reproduce the model's logits; cannot certify this model")
     return H, head.weight.detach(), (head.bias.detach() if getattr(head, "bias", None) is not None else None), model
-
-
-def timeit(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main(argv=None) -> dict:
@@ -131,10 +123,10 @@ def main(argv=None) -> dict:
     with cpu_load(args.load):
         for h in groups:  # interleaved, one decode-like call of B rows at a time
             dense_fn(h), head.topk(h)
-            dense_ms.append(timeit(lambda: dense_fn(h), args.reps))
-            cert_ms.append(timeit(lambda: head.topk(h), args.reps))
+            dense_ms.append(median_ms(lambda: dense_fn(h), args.reps))
+            cert_ms.append(median_ms(lambda: head.topk(h), args.reps))
             if args.provider == "screen":  # the screen alone: int8 GEMV + bounds, for its bandwidth
-                screen_ms.append(timeit(lambda: head.provider(h), args.reps))
+                screen_ms.append(median_ms(lambda: head.provider(h), args.reps))
     ratios = [d / c for d, c in zip(dense_ms, cert_ms)]
     V_, d_ = W.shape
     dense_bytes = V_ * d_ * W.element_size()

@@ -27,21 +27,17 @@ from pathlib import Path
 
 import torch
 
+try:
+    from _timing import median_ms
+except ImportError:  # run as a module from elsewhere
+    from scripts._timing import median_ms
+
 PROMPTS = (
     "The three laws of thermodynamics say that",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "A short story about a lighthouse keeper who finds a message in a bottle:",
 )
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def _median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
 
 
 def _load(name: str):
@@ -87,8 +83,8 @@ def main() -> None:
         full_ms, cert_ms = [], []
         for i in range(0, len(H), max(1, len(H) // 12)):  # interleaved, one decode-like row at a time
             h = H[i:i + 1]
-            full_ms.append(_median_ms(lambda: ch.stock(h), 20))
-            cert_ms.append(_median_ms(lambda: ch.topk(h, k=1), 20))
+            full_ms.append(median_ms(lambda: ch.stock(h), 20))
+            cert_ms.append(median_ms(lambda: ch.topk(h, k=1), 20))
         res = ch.topk(H, k=1)
         same_top1 = torch.equal(res.logits.argmax(-1), ch.stock(H).argmax(-1))
     fm, cm = statistics.median(full_ms), statistics.median(cert_ms)

@@ -100,7 +100,7 @@ def test_nucleus_decision_is_sound_for_every_vector_within_the_bounds():
     exactly the claimed tokens on *every* vector that agrees on S and stays below the bounds elsewhere."""
     from transformers import TopPLogitsWarper
 
-    from hf_csv.processors import _nucleus_decide
+    from hf_csv.checks import nucleus_decide as _nucleus_decide
 
     g = torch.Generator().manual_seed(0)
     claimed = unsure = 0

@@ -1,0 +1,158 @@
+"""Trace one certified decode step through hf_csv's modules (issue 38's call tracer).
+
+Runs ``generate`` on a tiny random Llama with ``sys.setprofile`` and reports, for one decode step (from one
+top-level forward of the model to the next: head, logits processors, the token choice):
+
+* ``modules``: the hf_csv / hf_csv_kernels modules that ran code in the step;
+* ``hops``: calls from a function of one of those modules into a function of another (a call from transformers
+  or torch into hf_csv counts as an entry, not a hop);
+* ``call_backs``: hops into a module that is already on the call stack below the caller (control going back up
+  into a module it came from).
+
+Usage::
+
+    python scripts/trace_step.py                       # greedy, no processor
+    python scripts/trace_step.py --repetition-penalty 1.3
+    python scripts/trace_step.py --json out.json --step 3 --show
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_csv  # noqa: E402
+from hf_csv import CSVConfig  # noqa: E402
+
+_OURS = ("hf_csv.", "hf_csv_kernels.")
+
+
+def _module(frame) -> str | None:
+    name = frame.f_globals.get("__name__", "")
+    return name if name.startswith(_OURS) or name in ("hf_csv", "hf_csv_kernels") else None
+
+
+# decorators and context managers between two of our functions (torch.no_grad, contextlib) are not a module
+# of the step: look through them to the function that called
+_TRANSPARENT = ("torch.", "contextlib", "functools")
+
+
+def _caller(frame) -> str | None:
+    f = frame.f_back
+    while f is not None:
+        mod = _module(f)
+        if mod is not None:
+            return mod
+        name = f.f_globals.get("__name__", "")
+        if not name.startswith(_TRANSPARENT) or name.startswith("torch.nn.modules"):
+            return None  # transformers (or a Module call from it) called us: an entry
+        f = f.f_back
+    return None
+
+
+def tiny_llama(vocab: int = 256, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20.0)  # spread the logits so the certificate prunes
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens: int = 6) -> dict:
+    """Trace decode step ``step`` (0 is the prefill) of a certified greedy call; returns the report."""
+    model = hf_csv.enable(tiny_llama())
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, csv_config=CSVConfig())
+    if repetition_penalty is not None:
+        kw["repetition_penalty"] = repetition_penalty
+    model.generate(ids, **kw)  # warm: the screen is built on the first call
+
+    steps: list[list[tuple]] = [[]]
+    forwards = [0]
+
+    def pre_hook(*_a, **_k):
+        forwards[0] += 1
+        steps.append([])
+
+    handle = model.register_forward_pre_hook(pre_hook)
+    stack: list[str | None] = []  # module of every Python frame entered since tracing began (None: not ours)
+
+    def prof(frame, event, _arg):
+        if event == "call":
+            mod = _module(frame)
+            caller = _caller(frame)
+            if mod is not None and caller is not None and mod != caller:
+                # back: the callee's module already runs further down this chain of our own frames
+                chain = []
+                for m in reversed(stack):
+                    if m is None:
+                        break
+                    chain.append(m)
+                back = mod in chain[1:]
+                steps[-1].append((caller, mod, frame.f_code.co_name, back))
+            elif mod is not None and caller is None:
+                steps[-1].append((None, mod, frame.f_code.co_name, False))
+            stack.append(mod)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(prof)
+    try:
+        out = model.generate(ids, **kw, return_dict_in_generate=True)
+    finally:
+        sys.setprofile(None)
+        handle.remove()
+    stats = out.csv_stats
+    ev = steps[step + 1] if step + 1 < len(steps) else []
+    hops = [(a, b, f) for a, b, f, _ in ev if a is not None]
+    mods = sorted({b for _, b, _, _ in ev} | {a for a, _, _, _ in ev if a is not None})
+    return {
+        "step": step,
+        "forwards": forwards[0],
+        "tokens": out.sequences.shape[-1] - ids.shape[-1],
+        "certified": stats.get("summary"),
+        "repetition_penalty": repetition_penalty,
+        "modules": mods,
+        "n_modules": len(mods),
+        "entries": [(b, f) for a, b, f, _ in ev if a is None],
+        "hops": hops,
+        "n_hops": len(hops),
+        "call_backs": [(a, b, f) for a, b, f, back in ev if a is not None and back],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--step", type=int, default=3, help="decode step to report (0 is the prefill)")
+    ap.add_argument("--repetition-penalty", type=float, default=None)
+    ap.add_argument("--show", action="store_true", help="print every hop")
+    ap.add_argument("--json", default=None, help="write the report here")
+    a = ap.parse_args()
+    r = trace(a.step, a.repetition_penalty)
+    print(f"step {r['step']}: {r['n_modules']} modules, {r['n_hops']} hops, {len(r['call_backs'])} call-backs "
+          f"({r['certified']})")
+    print("modules:", ", ".join(r["modules"]))
+    if a.show:
+        for e in r["entries"]:
+            print("  enter  ", e)
+        for h in r["hops"]:
+            print("  hop    ", h)
+    for h in r["call_backs"]:
+        print("  back   ", h)
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()

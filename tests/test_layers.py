@@ -1,0 +1,94 @@
+"""The layering of docs/design.md: kernels import neither hf_csv nor transformers, the core does not import
+transformers, and imports between hf_csv's modules run one way (no cycle)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ["hf_csv", "hf_csv.errors", "hf_csv.index", "hf_csv.hub", "hf_csv.artifact", "hf_csv.bounds",
+        "hf_csv.certificate", "hf_csv.checks", "hf_csv.static", "hf_csv.posthead", "hf_csv.distributed",
+        "hf_csv.config"]
+KERNELS = sorted(f"hf_csv_kernels.{p.stem}" for p in (ROOT / "hf_csv_kernels").glob("*.py") if p.stem != "__init__")
+
+
+def _imported_after(modules: list[str]) -> set[str]:
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "print(' '.join(sorted(k for k in sys.modules if k.split('.')[0] in ('transformers', 'hf_csv', "
+            "'hf_csv_kernels'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_core_does_not_import_transformers():
+    got = _imported_after(CORE)
+    assert not {m for m in got if m.split(".")[0] == "transformers"}, sorted(got)
+
+
+def test_kernels_import_neither_hf_csv_nor_transformers():
+    got = _imported_after(KERNELS)
+    assert not {m for m in got if m.split(".")[0] in ("transformers", "hf_csv")}, sorted(got)
+
+
+def _graph() -> dict[str, set[str]]:
+    """hf_csv module -> the hf_csv modules it imports (at module level or inside functions)."""
+    g: dict[str, set[str]] = {}
+    for p in (ROOT / "hf_csv").glob("*.py"):
+        name = p.stem
+        deps = g.setdefault(name, set())
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                if n.module:
+                    deps.add(n.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("hf_csv."):
+                deps.add(n.module.split(".")[1])
+        deps.discard(name)
+    g.pop("__init__", None)
+    return {k: {d for d in v if d in g} for k, v in g.items()}
+
+
+def test_no_two_modules_import_each_other():
+    g = _graph()
+    # Tarjan's strongly connected components: a component of more than one module is a cycle
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_every_check_names_its_section():
+    """Every public function of the core's check module names its docs/certificates.md section."""
+    tree = ast.parse((ROOT / "hf_csv" / "checks.py").read_text())
+    public = [n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    missing = [n.name for n in public if "§" not in (ast.get_docstring(n) or "")]
+    assert public and not missing, missing
