@@ -128,8 +128,19 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
         "entries": [(b, f) for a, b, f, _ in ev if a is None],
         "hops": hops,
         "n_hops": len(hops),
-        "call_backs": [(a, b, f) for a, b, f, back in ev if a is not None and back],
+        "call_backs": _call_backs(ev),
     }
+
+
+def _call_backs(ev: list) -> list:
+    """Hops into a module the step already passed through before the caller's module first ran (control going back
+    up), or into a module still running below the caller (a cycle on the stack)."""
+    first: dict = {}
+    for a, b, _, _ in ev:
+        for m in (a, b):
+            if m is not None and m not in first:
+                first[m] = len(first)
+    return [(a, b, f) for a, b, f, on_stack in ev if a is not None and (on_stack or first[b] < first[a])]
 
 
 def main() -> None:

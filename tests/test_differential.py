@@ -45,6 +45,7 @@ ALPHA = 1e-3  # family-wise significance level of the law tests (fixed seeds)
 DRAWS = 1200  # draws of the first token per certified sampling case
 ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "cohere", "granite", "phi", "whisper")
 DTYPES = tuple(getattr(torch, n) for n in os.environ.get("HF_CSV_FUZZ_DTYPES", "float32,bfloat16").split(","))
+FAST_CASES = 40
 _MODELS: dict = {}
 RESULTS: list = []
 
@@ -52,7 +53,9 @@ RESULTS: list = []
 def pytest_generate_tests(metafunc):
     if "case_id" in metafunc.fixturenames:
         n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
-        metafunc.parametrize("case_id", range(int(n)))
+        # the first FAST_CASES cases are the fast tier's (pytest -m "not slow"); the rest are marked slow
+        metafunc.parametrize("case_id", [i if i < FAST_CASES else pytest.param(i, marks=pytest.mark.slow)
+                                         for i in range(int(n))])
 
 
 def _n_cases(config) -> int:
