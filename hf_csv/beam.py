@@ -99,7 +99,7 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _stats(sess: CSVSession) -> dict:
-    st = sess.extra.setdefault("beam", {})
+    st = sess.reports.setdefault("beam", {})
     # certified_steps: steps decided by the checks (subvocab_steps of them had a sub-vocabulary row; the others only
     # stock's rows); full_steps: steps of beam searches re-run on the full head; aborted_*: work of the runs re-run
     for k in ("certified_steps", "subvocab_steps", "full_steps", "restarts", "aborted_steps", "aborted_rows"):
@@ -111,24 +111,24 @@ def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
     def _get_top_k_continuations(*args: Any, **kw: Any):
         sess = active_session(model)
         if sess is None or sess.mode != "beam_exact":
-            if sess is not None and sess.extra.get("beam") is not None and sess.mode == "full":
+            if sess is not None and sess.reports.get("beam") is not None and sess.mode == "full":
                 _stats(sess)["full_steps"] += 1
             return orig(*args, **kw)
         acc = kw["accumulated_log_probs"]
         B, nb, K = int(kw["batch_size"]), int(kw["num_beams"]), int(kw["beams_to_keep"])
         if kw.get("do_sample") or args:
             raise CSVError("hf_csv: beam search helpers called in an unexpected way; please report this")
-        step, sess.beam_step = sess.beam_step, None  # a hf_csv.processors.BeamStep
+        step, sess.beam.step = sess.beam.step, None  # a hf_csv.processors.BeamStep
         if step is None:
             raise CSVError("hf_csv: a certified beam step reached the top-k without its intervals; please report this")
         V = step.lo.shape[-1]
-        st: Optional[_State] = sess.beam_state
+        st: Optional[_State] = sess.beam.state
         if int(kw["cur_len"]) == int(kw["decoder_prompt_len"]) or st is None:
             # stock's initial scores: beam 0 at 0, the others at -1e9 (checked against stock's sum just below)
             init = torch.zeros(B, nb, dtype=torch.float32, device=acc.device)
             init[:, 1:] = _MASK
             fin = torch.full((B, nb), _MASK, dtype=torch.float32, device=acc.device)
-            st = sess.beam_state = _State(rbs=(init, init, init), fin=(fin, fin))
+            st = sess.beam.state = _State(rbs=(init, init, init), fin=(fin, fin))
         r_lo, r_hi, r_rep = st.rbs
         _same((step.rep.view(B, nb, V) + r_rep[:, :, None]).view(B, -1), acc, "the accumulated log-probs")
         lo = (step.lo.view(B, nb, V) + r_lo[:, :, None]).view(B, -1)
@@ -153,7 +153,7 @@ def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
 def _running_beams(model: nn.Module, orig: Callable) -> Callable:
     def _get_running_beams_for_next_iteration(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam_state
+        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out
@@ -175,7 +175,7 @@ def _running_beams(model: nn.Module, orig: Callable) -> Callable:
 def _finished_beams(model: nn.Module, orig: Callable) -> Callable:
     def _update_finished_beams(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam_state
+        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out
@@ -207,7 +207,7 @@ def _finished_beams(model: nn.Module, orig: Callable) -> Callable:
 def _early_stop(model: nn.Module, orig: Callable) -> Callable:
     def _check_early_stop_heuristic(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam_state
+        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out
@@ -243,4 +243,4 @@ def beam_decisions(model: nn.Module, sess: CSVSession):
         try:
             yield
         finally:
-            sess.beam_step = sess.beam_state = None
+            sess.beam.step = sess.beam.state = None

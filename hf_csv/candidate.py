@@ -107,7 +107,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
     stats = CertStats()
-    summary = main.extra["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
+    summary = main.reports["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
                                      "verify_reruns": 0, "reasons": [], "rows": 0}
 
     def get_candidates(input_ids, **kwargs):
@@ -146,7 +146,7 @@ class DraftConfidenceStop:
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
-        conf = self.sess.extra.get("_draft_conf_last")
+        conf = self.sess.assist.conf_last
         stop = conf is not None and conf < self.threshold
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -184,10 +184,16 @@ def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
         if logits is None and sess.mode == "spec":
             sess.spec_full_next = True
         if logits is None and sess.gumbel is not None:
-            sess.extra["_gumbel_no_drafts"] = True  # stock samples from the target's row: the keyed draw makes it
+            sess.assist.no_drafts = True  # stock samples from the target's row: the keyed draw makes it
         return ids, logits
 
     gen.get_candidates = get_candidates
+
+
+def _take_user_settings(sess: CSVSession) -> dict:
+    """The caller's assistant settings, once (they are applied to this call's candidate generator)."""
+    got, sess.assist.user_settings = sess.assist.user_settings, None
+    return got or {}
 
 
 def _patched(model: nn.Module, orig: Callable) -> Callable:
@@ -212,9 +218,9 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
                               "AssistedCandidateGenerator's draft logits")
             return gen
         _full_head_without_drafts(gen, sess)
-        applied = apply_main_assistant_settings(gen, sess.extra.pop("_user_assistant_settings", None) or {}, sess)
+        applied = apply_main_assistant_settings(gen, _take_user_settings(sess), sess)
         if applied:
-            sess.extra["assistant_settings"] = applied
+            sess.reports["assistant_settings"] = applied
         if sess.config.draft_head == "subvocab" or sess.gumbel is not None:
             try:
                 find_head(gen.assistant_model)

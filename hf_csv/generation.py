@@ -57,13 +57,13 @@ def _version_reason() -> Optional[str]:
 
 def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
     sess = new_session(model, config)
-    sess.extra["_caller_cache"] = kwargs.get("past_key_values") is not None
+    sess.caller_cache = kwargs.get("past_key_values") is not None
     sess.assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None
     gc = kwargs.get("generation_config")
     if gc is not None and getattr(gc, "prompt_lookup_num_tokens", None) is not None:
         sess.assisted = True
     if sess.assisted:
-        sess.extra["_user_assistant_settings"] = user_assistant_settings(kwargs)
+        sess.assist.user_settings = user_assistant_settings(kwargs)
     # the target may leave uncomputed tokens -inf only where hf_csv's exact verify reads its bounds
     sess.spec_ok = kwargs.get("assistant_model") is not None and config.speculative == "exact"
     if kwargs.get("assistant_model") is not None and config.speculative == "gumbel":
@@ -85,8 +85,8 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
         if asked and sess.force_full is None:
             sess.force_full = (f"Whisper's logprob_threshold with {asked}: the returned scores would be the "
                                "certified sub-vocabulary rows, not stock's")
-        sess.scores_internal = not asked
-        sess.extra["_lp_threshold"] = threshold
+        sess.whisper.scores_internal = not asked
+        sess.whisper.threshold = threshold
     return sess
 
 
@@ -131,7 +131,7 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
             _beam_restart(sess, str(e))
             out = call(*args, **kwargs)
     if spec is not None and spec.calls:
-        sess.extra["speculative"] = spec.summary()
+        sess.reports["speculative"] = spec.summary()
     if sess.spec_pending:  # pragma: no cover - hf_csv.candidate makes this call complete; never return it silently
         raise CSVError("hf_csv: the last certified head call of assisted sampling was not read by hf_csv's verify; "
                        "its tokens may not follow the model's law. Please report this; generate without "
@@ -140,16 +140,16 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
 
 
 def _beam_restart(sess: CSVSession, why: str) -> None:
-    st = sess.extra.setdefault("beam", {})
+    st = sess.reports.setdefault("beam", {})
     st["restarts"] = st.get("restarts", 0) + 1
     st["aborted_steps"] = st.get("aborted_steps", 0) + st.get("certified_steps", 0)
     st["aborted_rows"] = st.get("aborted_rows", 0) + sess.stats.rows
     st["certified_steps"] = st["subvocab_steps"] = 0
     sess.stats = type(sess.stats)()  # the returned tokens come from the re-run: its rows are what count
-    sess.beam_step = sess.beam_state = None
+    sess.beam.step = sess.beam.state = None
     sess.last = None
     sess.guard_pending = None
-    sess.extra["_beam_restart"] = f"{why}; this call re-ran its beam search on the full head"
+    sess.beam.restart = f"{why}; this call re-ran its beam search on the full head"
 
 
 def _attach_stats(model: nn.Module, out: Any, summary: dict, config: CSVConfig) -> Any:

@@ -97,6 +97,45 @@ class StepStash:
 
 
 @dataclass
+class WhisperRecord:
+    """Whisper's temperature-fallback decision in one call (hf_csv.whisper, docs/certificates.md §3.6)."""
+
+    scores_internal: bool = False  # the scores generate keeps feed only the avg-logprob decision, which hf_csv certifies
+    threshold: Optional[float] = None  # the logprob_threshold certified
+    record: bool = False  # the check records each greedy step's normalizer bounds ...
+    steps: list = field(default_factory=list)  # ... here (hf_csv.processors._record_lp)
+    index: Optional[int] = None  # the batch row Whisper's _need_fallback decides
+
+
+@dataclass
+class BeamRecord:
+    """Token-identical beam search in one call (hf_csv.beam, docs/certificates.md §3.10)."""
+
+    step: Any = None  # this step's processed log-prob intervals (hf_csv.processors.BeamStep)
+    state: Any = None  # the intervals of stock's beam bookkeeping (hf_csv.beam)
+    restart: Optional[str] = None  # why the call re-ran its beam search on the full head
+
+
+@dataclass
+class AssistRecord:
+    """Assisted decoding in one call (hf_csv.candidate, hf_csv.processors.GumbelCoupledDraw)."""
+
+    conf: dict = field(default_factory=dict)  # token index -> the certified draw's probability (a draft, sample mode)
+    conf_last: Optional[float] = None  # the last drafted token's probability (the coupled confidence stop reads it)
+    no_drafts: bool = False  # target: a round without drafts, stock samples from the row (the keyed draw makes it)
+    user_settings: Optional[dict] = None  # the caller's assistant settings, applied to the candidate generator
+
+
+@dataclass
+class CompiledRecord:
+    """A compiled static-cache decode in one call (hf_csv.scope, hf_csv.policy.decide_compiled)."""
+
+    start: Optional[tuple] = None  # (the static plan, its counters) when the compiled decode started
+    stock: bool = False  # the graph runs stock's head (the speed guard's choice)
+    calls_seen: Any = None  # the plan's call counter at the check's last step
+
+
+@dataclass
 class CSVSession:
     """State of one certified ``generate`` call on one model."""
 
@@ -147,19 +186,18 @@ class CSVSession:
     # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
     # step (hf_csv.speed): (guard, key, certified, seconds in the head) or None
     guard_pending: Optional[tuple] = None
-    # Whisper's logprob_threshold (hf_csv.whisper): the scores generate keeps feed only the avg-logprob decision,
-    # which hf_csv certifies; lp_record: the processor records each greedy step's normalizer bounds in lp_steps
-    scores_internal: bool = False
-    lp_record: bool = False
-    lp_steps: list = field(default_factory=list)
+    whisper: WhisperRecord = field(default_factory=lambda: WhisperRecord())
+    beam: BeamRecord = field(default_factory=lambda: BeamRecord())
+    assist: AssistRecord = field(default_factory=lambda: AssistRecord())
+    compiled: CompiledRecord = field(default_factory=lambda: CompiledRecord())
+    caller_cache: bool = False  # the caller passed its own past_key_values
+    own_draw: bool = False  # sampling through the head's own exact draw where stock's values on S cannot be had
     check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.processors._Prefix)
-    beam_step: Any = None  # beam_exact mode: this step's processed log-prob intervals (hf_csv.beam.BeamStep)
-    beam_state: Any = None  # ... and the intervals of stock's beam bookkeeping (hf_csv.beam)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the call's noise per token index
     # (hf_csv_kernels.verify.KeyedGumbel), shared by the target's session and its draft sessions
     gumbel: Any = None
-    extra: dict = field(default_factory=dict)  # more summary entries (e.g. the draft head's stats)
+    reports: dict = field(default_factory=dict)  # the summary's named reports (e.g. the draft head's stats), public
 
     def note(self, reason: str, what: str = "") -> None:
         """Record a reason once per call and log it (transformers logging)."""
@@ -171,7 +209,7 @@ class CSVSession:
         """Use the full head for the rest of this decoding call, and say why."""
         self.mode = "full"
         self.verify = False
-        self.lp_record = False  # the kept rows are stock's: Whisper's own avg-logprob applies (hf_csv.whisper)
+        self.whisper.record = False  # the kept rows are stock's: Whisper's own avg-logprob applies (hf_csv.whisper)
         self.note(reason, "full LM head for this call: ")
 
     def summary(self) -> dict:
@@ -184,7 +222,7 @@ class CSVSession:
                  full_head_calls=self.full_calls, declined_rows=self.declined_rows,
                  verify_reruns=self.verify_reruns, head_rows=total,
                  certified_fraction=self.stats.certified / total if total else 0.0)
-        d.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
+        d.update(self.reports)
         full = total - self.stats.certified
         if self.mode == "full":
             d["summary"] = f"full head ({self.reasons[0] if self.reasons else 'declined'})"
@@ -385,7 +423,7 @@ class CSVHead(nn.Module):
         if sess is None:
             return self.inner(hidden)
         if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched
-            sess.extra["processor_forwards"] = sess.extra.get("processor_forwards", 0) + 1
+            sess.reports["processor_forwards"] = sess.reports.get("processor_forwards", 0) + 1
             return self.inner(hidden)
         sess.head_calls += 1
         if sess.mode == "full" or hidden.numel() == 0 or (
@@ -435,7 +473,7 @@ class CSVHead(nn.Module):
             out = res.logits
         elif mode == "topk":
             kw = {"always": sess.always} if sess.always else {}
-            if sess.lp_record:
+            if sess.whisper.record:
                 kw["with_upper"] = True
             if sess.k_head > sess.k:  # a wider set where it fits the budget, else the warper's k (policy._lowered_k)
                 kw.update(k_min=sess.k)
@@ -474,7 +512,7 @@ class CSVHead(nn.Module):
             res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps, **kw)
             if keys is not None and res.conf is not None and sess.draft:
                 # the assistant's confidence stop reads the drawn token's probability (hf_csv.candidate)
-                sess.extra["_draft_conf"] = dict(zip(keys, res.conf.tolist()))
+                sess.assist.conf = dict(zip(keys, res.conf.tolist()))
             # draw_after: exact logits on S; the CSVLogitsProcessor draws after the lowering processors
             out = res.logits if sess.draw_after else _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
         else:  # pragma: no cover - decide_mode only sets the modes above
@@ -541,7 +579,7 @@ def flush_guard(sess: CSVSession, extra_seconds: float = 0.0) -> None:
     guard.record(gkey, certified, seconds + extra_seconds)
     summ = guard.summary(gkey)
     if summ is not None:
-        sess.extra["speed_guard"] = summ
+        sess.reports["speed_guard"] = summ
 
 
 def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:

@@ -170,11 +170,11 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
         return f"{getattr(mode, 'value', mode)} is not certified (plain beam search is)"
     if not session.post.identity:
         return f"beam search after a post-head transform ({session.post.describe()})"
-    if session.extra.get("_caller_cache"):
+    if session.caller_cache:
         return ("beam search with a cache passed by the caller: a call hf_csv cannot certify is re-run on the full "
                 "head, which needs a fresh cache")
-    if session.extra.get("_beam_restart"):
-        return session.extra["_beam_restart"]
+    if session.beam.restart:
+        return session.beam.restart
     # (an admitted name can still classify "full": a repetition penalty < 1 or a positive sequence bias raises scores)
     other = sorted({type(p).__name__ for p in processors if classify_processor(p) != "csv"
                     and (type(p).__name__ not in _BEAM_PROCESSORS or classify_processor(p) == "full")})
@@ -192,15 +192,15 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     Whisper's ``logprob_threshold`` (the temperature-fallback decision reads the kept scores): greedy rounds keep
     the certified top-1 and record per-step normalizer bounds (hf_csv.whisper); sampling rounds use the full head.
     """
-    session.lp_record, session.lp_steps = False, []
-    session.extra.pop("_own_draw", None)
+    session.whisper.record, session.whisper.steps = False, []
+    session.own_draw = False
     _decide(session, generation_config, processors)
     why = _reads_values(session, generation_config)
     if why is not None and not _subset_exact(session):
         # stock's values on S are not this process's values (docs/certificates.md §2.0): a path that hands them to
         # stock's sampler or scores is not exact here; hf_csv's own draw is (it decides within the slack)
         if session.mode == "topk" and getattr(generation_config, "do_sample", False):
-            session.extra["_own_draw"] = True
+            session.own_draw = True
             _decide(session, generation_config, processors)
             if session.mode == "sample":
                 session.note(f"{why}: this CPU's BLAS rounds a column subset differently from the full call, so "
@@ -210,11 +210,11 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
             session.set_full(f"{why}: needs stock's values on S bit for bit, and this CPU's BLAS rounds a column "
                              "subset differently from the full call (docs/certificates.md §2.0)")
             return session
-    if session.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
+    if session.whisper.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
             and session.mode != "full":
         if session.mode == "topk" and session.k == 1 and not getattr(generation_config, "do_sample", False) \
                 and session.post is not None and session.post.identity:
-            session.lp_record, session.verify = True, True
+            session.whisper.record, session.verify = True, True
         else:
             session.set_full(f"Whisper's logprob_threshold in a {session.mode!r} round (temperature fallback): the "
                              "avg-logprob decision is certified for greedy rounds only")
@@ -232,7 +232,7 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
 def _own_draw(session: CSVSession) -> bool:
     """Sampling through the head's own exact draw (``CSVConfig(mode="sample")``, or where stock's values on S cannot
     be had bit for bit)."""
-    return session.config.mode == "sample" or bool(session.extra.get("_own_draw"))
+    return session.config.mode == "sample" or session.own_draw
 
 
 def _subset_exact(session: CSVSession) -> bool:
@@ -253,7 +253,7 @@ def _reads_values(session: CSVSession, gc: Any) -> Optional[str]:
             return "top-k sampling with stock's sampler"
         if session.ts_proc is not None or session.always:
             return "Whisper's timestamp rule (it reads the timestamp block's values)"
-        if session.lp_record:
+        if session.whisper.record:
             return "Whisper's avg-logprob rule"
         if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
             return "output_scores with CSVConfig(scores='subvocab')"
@@ -280,14 +280,14 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         session.set_full(session.force_full)
         return session
     if session.post is None:
-        session.set_full(session.extra.get("_post_reason", "unknown post-head transform"))
+        session.set_full("unknown post-head transform")
         return session
     if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_logits", False):
         session.set_full("output_logits=True: the raw logits must be the full head's")
         return session
     if (getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False)
             and cfg.scores != "subvocab" and not session.draft
-            and not (session.scores_internal and getattr(gc, "logprob_threshold", None) is not None)):
+            and not (session.whisper.scores_internal and getattr(gc, "logprob_threshold", None) is not None)):
         session.set_full("output_scores=True: stock's scores need every logit (CSVConfig(scores='subvocab') returns "
                          "the certified sub-vocabulary scores instead, -inf elsewhere)")
         return session
@@ -655,7 +655,7 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     Speed: a compiled step cannot be timed, so where the head's speed guard has measured the full head faster on
     this call's eager steps (the prefill, same mode and ``batch`` rows), the graph gets stock's head while the
     session stays certified for its eager steps, which keep feeding (and probing) the guard; ``None`` is returned
-    and ``session.extra["_compiled_stock"]`` is set.
+    and ``session.compiled.stock`` is set.
     """
     if session.mode == "full":
         return None
@@ -670,7 +670,7 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     lowering = sorted({type(p).__name__ for p in before if classify_processor(p) == "lower"} - _STATIC_LOWER)
     temps = [p for p in before if classify_processor(p) == "order"]
     k = max(int(session.k), int(getattr(topk_proc, "top_k", 0))) if sampled else 1
-    if session.mode != "topk" or (session.k != 1 and not sampled) or session.always or session.lp_record or (
+    if session.mode != "topk" or (session.k != 1 and not sampled) or session.always or session.whisper.record or (
             session.draw_after or session.check_before is not None or session.check_replaces is not None):
         why = f"mode {session.mode!r} (k={session.k}) with its per-step check"
     elif sampled and (len(temps) > 1 or any(type(p).__name__ != "TemperatureLogitsWarper" for p in temps)):
@@ -699,7 +699,7 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     if batch is not None and guard is not None and guard.enabled() and guard.prefers_full(guard_key(session, batch)):
         session.note("torch.compile (static cache): the speed guard measured the full head faster for this shape on "
                      "the eager steps: stock's head inside the graph")
-        session.extra["_compiled_stock"] = True
+        session.compiled.stock = True
         return None
     temperature = float(temps[0].temperature) if sampled and temps else None
     plans = ch.__dict__.setdefault("_static_plans", {})

@@ -101,8 +101,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         static head certified it with Whisper's fixed suppress list folded in (docs/certificates.md §3.9): nothing
         to check, no stash to read. A processor that lowers only at the first generated step must not fire here."""
         calls = sess.head_calls
-        compiled = calls == sess.extra.get("_calls_seen")
-        sess.extra["_calls_seen"] = calls
+        compiled = calls == sess.compiled.calls_seen
+        sess.compiled.calls_seen = calls
         if compiled and not stock:
             for p in sess.processors or ():
                 if type(p).__name__ == "SuppressTokensAtBeginLogitsProcessor" and input_ids.shape[-1] == p.begin_index:
@@ -128,9 +128,9 @@ class CSVLogitsProcessor(LogitsProcessor):
             # this processor took the top-p warper's place, and this step's row is stock's (the call or the head
             # call went to the full head, e.g. a stopping criterion declined it after the list was built)
             return sess.top_p_proc(input_ids, scores)
-        if sess is not None and "_static_start" in sess.extra and self._compiled_step(sess, input_ids):
+        if sess is not None and sess.compiled.start is not None and self._compiled_step(sess, input_ids):
             return scores
-        if sess is not None and sess.extra.get("_compiled_stock") and self._compiled_step(sess, input_ids, stock=True):
+        if sess is not None and sess.compiled.stock and self._compiled_step(sess, input_ids, stock=True):
             return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
         if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "beam_exact", "threshold", "sample",
                                                                 "nucleus"):
@@ -139,7 +139,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if sess.mode == "beam_exact":
             return self._beam_box(input_ids, scores, sess, last)
         if last is None:
-            if sess.lp_record:
+            if sess.whisper.record:
                 _record_lp(sess, input_ids, None, None, 0, None)
             return scores  # the head call of this step used the full head: nothing to check
         if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
@@ -173,7 +173,7 @@ class CSVLogitsProcessor(LogitsProcessor):
                 bad = checks.topk_unsure(scores, ob, k)
                 if last.slack is not None and not sess.draft:
                     bad |= self._set_undecided(input_ids, scores, sess, last, p, k, ob)
-            if sess.lp_record:
+            if sess.whisper.record:
                 out = self._rerun(input_ids, scores, sess, last, p, bad)
                 _record_lp(sess, input_ids, out, last, p, bad, ts)
                 return out
@@ -265,7 +265,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         complete = S.all(1)
         remove, bad = checks.nucleus_decide(scores, S, up, float(warper.top_p))
         bad &= ~complete
-        st = sess.extra.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
+        st = sess.reports.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
                                                "rows_rerun": 0})
         st["rows"] += int(scores.shape[0])
         st["complete_rows"] += int(complete.sum())
@@ -285,22 +285,22 @@ class CSVLogitsProcessor(LogitsProcessor):
         """Token-identical beam search (docs/certificates.md §3.10): stash, for hf_csv.beam, an interval
         [lo, hi] around stock's processed log-prob of every computed token and a bound ``ob`` on every other
         token's; return the scores unchanged (the representative row stock's bookkeeping runs on)."""
-        if sess.beam_step is not None:
+        if sess.beam.step is not None:
             raise CSVError("hf_csv: a certified beam step's intervals were not read by the beam bookkeeping; please "
                            "report this (generate without csv_config meanwhile)")
         x = scores.float()
         if last is None:  # the head call used the full head: stock's row, exactly
-            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
+            sess.beam.step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
             return scores
         p = last.position(input_ids.shape[1])
         complete = last.mask[:, p].all(1)
         if bool(complete.all()):  # every row over the budget: the head returned stock's rows
-            sess.beam_step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
+            sess.beam.step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
             return scores
         lo, hi, ob = beam_logprob_box(sess, input_ids, last, p, stop=self)
         lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
         hi = torch.where(complete[:, None], x, torch.maximum(hi, x))
-        sess.beam_step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
+        sess.beam.step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
         if self.record:
             self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
         return scores
@@ -347,7 +347,7 @@ def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor
     xm = x.double().masked_fill(M, float("-inf"))
     alive = (~computed & ~M).any(1)
     ok, ts_won = checks.timestamp_decision(xm, tb, ob, alive, getattr(proc, "_detect_timestamp_from_logprob", True))
-    st = sess.extra.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
+    st = sess.reports.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
                                               "text_decided": 0, "rows_rerun": 0})
     n = int(x.shape[0])
     st["rows"] += n
@@ -391,7 +391,7 @@ class FullHeadDuring(LogitsProcessor):
         last = sess.last
         B, P, d = last.H.shape
         p = last.position(input_ids.shape[1])
-        sess.extra["processor_stock_rows"] = sess.extra.get("processor_stock_rows", 0) + B
+        sess.reports["processor_stock_rows"] = sess.reports.get("processor_stock_rows", 0) + B
         raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
         return stock_processed(sess, raw, input_ids, stop=self)
 
@@ -447,7 +447,7 @@ def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Te
     error (log C, absolute), the hidden states (to replay the stock head where the decision needs it) and the input
     ids. Rows whose kept row is stock's own (full head, re-run) are marked exact."""
     if out is None:  # the head call used the full head: the kept rows are stock's
-        sess.lp_steps.append({"exact_all": True, "ids": input_ids})
+        sess.whisper.steps.append({"exact_all": True, "ids": input_ids})
         return
     B = out.shape[0]
     S = last.mask[:, p]
@@ -462,7 +462,7 @@ def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Te
     m, _, _, C = checks.normalizer_terms(x, up, outside)
     ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
     ex |= S.all(1)
-    sess.lp_steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
+    sess.whisper.steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
                           "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
 
 
@@ -492,8 +492,9 @@ class GumbelCoupledDraw(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
         if not self.always:
-            if not sess.extra.pop("_gumbel_no_drafts", False):
+            if not sess.assist.no_drafts:
                 return scores
+            sess.assist.no_drafts = False
         if scores.shape[0] != 1:
             raise CSVError("hf_csv: Gumbel-coupled drafting supports batch size 1 only (as assisted decoding)")
         key = int(input_ids.shape[1])
@@ -504,6 +505,6 @@ class GumbelCoupledDraw(LogitsProcessor):
             if int(torch.isfinite(x[0]).sum()) > 1:
                 conf = float(torch.softmax(x[0], 0)[tok])
             else:
-                conf = float(sess.extra.get("_draft_conf", {}).get(key, 1.0))
-            sess.extra["_draft_conf_last"] = conf
+                conf = float(sess.assist.conf.get(key, 1.0))
+            sess.assist.conf_last = conf
         return checks.winner_only(scores, torch.tensor([tok], device=scores.device))

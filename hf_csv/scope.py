@@ -213,7 +213,8 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
                 sess.set_full("torch.compile (static cache) while another generate call is active on this model: "
                               "a compiled graph cannot tell the calls apart")
             if sess is not None and installed:
-                sess.extra.setdefault("_static_start", (plan, plan.counters()))
+                if sess.compiled.start is None:
+                    sess.compiled.start = (plan, plan.counters())
         return res
 
     return _valid_auto_compile_criteria
@@ -232,13 +233,13 @@ def _batch_of(args: tuple, kwargs: dict) -> Optional[int]:
 
 def _compiled_stats(sess: CSVSession) -> None:
     """The compiled head's rows of this call (its counters' change) into the session's stats."""
-    got = sess.extra.pop("_static_start", None)
+    got, sess.compiled.start = sess.compiled.start, None
     if got is None:
         return
     plan, (r0, c0, s0) = got
     r1, c1, s1 = plan.counters()
     rows, cert = r1 - r0, c1 - c0
-    sess.extra["compiled_head"] = {"rows": rows, "certified": cert, "capacity": plan.capacity,
+    sess.reports["compiled_head"] = {"rows": rows, "certified": cert, "capacity": plan.capacity,
                                    "mean_subvocab": (s1 - s0) / cert if cert else None}
     # (vocab_size too: when the eager prefill used the full head, e.g. while the screen was being packed, nothing
     # else set it)

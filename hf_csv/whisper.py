@@ -58,10 +58,10 @@ def _replay(sess: CSVSession, st: dict, index: int) -> torch.Tensor:
 def _certified_avg(sess: CSVSession, orig, scores: Any, tokens: torch.Tensor, temperature: float):
     """Stock's decision for one sequence of a greedy round, or None when the kept rows are stock's own (a round on
     the full head): then stock's function runs on them."""
-    if not sess.lp_record:
+    if not sess.whisper.record:
         return None
-    index = sess.extra.get("_lp_index")
-    steps = sess.lp_steps
+    index = sess.whisper.index
+    steps = sess.whisper.steps
     rows = list(scores)
     if index is None or len(rows) > len(steps) or (temperature or 0.0) > 0.0:
         raise CSVError("hf_csv: Whisper's avg-logprob was requested outside the decision hf_csv certifies "
@@ -71,8 +71,8 @@ def _certified_avg(sess: CSVSession, orig, scores: Any, tokens: torch.Tensor, te
         rows = rows[: tokens.shape[0]]
     else:
         tokens = tokens[-len(rows):]
-    thr = float(sess.extra["_lp_threshold"])
-    st = sess.extra.setdefault("whisper_thresholds", {"decisions": 0, "decided_by_bounds": 0, "replayed_steps": 0,
+    thr = float(sess.whisper.threshold)
+    st = sess.reports.setdefault("whisper_thresholds", {"decisions": 0, "decided_by_bounds": 0, "replayed_steps": 0,
                                                       "fully_replayed": 0, "steps": 0})
     st["decisions"] += 1
     st["steps"] += len(rows)
@@ -102,8 +102,8 @@ def _certified_avg(sess: CSVSession, orig, scores: Any, tokens: torch.Tensor, te
 @contextlib.contextmanager
 def whisper_decisions(model: nn.Module, sess: CSVSession):
     """Scoped instance overrides of ``_need_fallback`` and ``_retrieve_avg_logprobs`` for one certified call whose
-    ``logprob_threshold`` hf_csv certifies (``sess.scores_internal``, threshold in ``sess.extra``)."""
-    if not sess.scores_internal:
+    ``logprob_threshold`` hf_csv certifies (``sess.whisper.scores_internal``, threshold in ``sess.whisper``)."""
+    if not sess.whisper.scores_internal:
         yield
         return
 
@@ -112,11 +112,11 @@ def whisper_decisions(model: nn.Module, sess: CSVSession):
             s = active_session(model)
             if s is None:
                 return orig(seek_sequence, seek_outputs, index, *args, **kwargs)
-            s.extra["_lp_index"] = int(index)
+            s.whisper.index = int(index)
             try:
                 return orig(seek_sequence, seek_outputs, index, *args, **kwargs)
             finally:
-                s.extra["_lp_index"] = None
+                s.whisper.index = None
         return _need_fallback
 
     def avg_logprobs(_bound):

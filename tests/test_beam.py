@@ -98,7 +98,7 @@ def test_intervals_contain_stock(monkeypatch, arch, dtype):
 
     def box(self, input_ids, scores, sess, last):
         out = orig(self, input_ids, scores, sess, last)
-        st = sess.beam_step
+        st = sess.beam.step
         if last is not None:
             B, P, d = last.H.shape
             p = last.position(input_ids.shape[1])
@@ -183,9 +183,9 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
     m = _model("llama", torch.float32, 1)
     nb, V = rep_rows.shape
     sess = CSVSession(model=m, config=CSVConfig(**EXACT), head=None, out_dtype=torch.float32, mode="beam_exact")
-    sess.beam_step = BeamStep(lo=lo_rows, hi=hi_rows, rep=rep_rows, ob=ob)
+    sess.beam.step = BeamStep(lo=lo_rows, hi=hi_rows, rep=rep_rows, ob=ob)
     r = torch.tensor([rbs], dtype=torch.float32)
-    sess.beam_state = hb._State(rbs=(r, r, r), fin=(torch.full((1, nb), -1e9),) * 2)
+    sess.beam.state = hb._State(rbs=(r, r, r), fin=(torch.full((1, nb), -1e9),) * 2)
     wrapped = hb._top_k_continuations(m, GenerationMixin._get_top_k_continuations.__get__(m))
     acc = (rep_rows + r[0][:, None]).view(1, -1)
     seqs = torch.zeros(1, nb, 6, dtype=torch.long)
@@ -248,7 +248,7 @@ def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, b
 
     def box(self, input_ids, scores, sess, last):
         out = orig(self, input_ids, scores, sess, last)
-        st = sess.beam_step
+        st = sess.beam.step
         if not st.subvocab:
             return out
         odd = (torch.arange(st.lo.shape[0]) % 2 == 1)[:, None]
