@@ -63,6 +63,7 @@ def _bounded_case(zp: torch.Tensor, width: float, slack: float, g: torch.Generat
     return known, upper
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width,slack,sharp", [(1e-3, 0.05, 3.0), (0.2, 1.5, 3.0), (0.5, 3.0, 1.0), (0.5, 0.05, 1.0)])
 def test_bounded_verify_law_equals_exact_verify(width, slack, sharp):
     """Same inputs, many draws: the joint law of (first emitted token, second or none) of the bounded verify
@@ -176,6 +177,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_assisted_sampling_law_matches_stock(pair, name):
     """First two tokens of assisted sampling, stock vs certified target (+ sub-vocabulary draft and exact
@@ -354,6 +356,7 @@ def test_assisted_top_k_sampling_is_stock_token_for_token(wide_pair, kw):
         assert rejections > 0  # residual draws happened (the part of the stream hf_csv's own verify draws differently)
 
 
+@pytest.mark.slow
 def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, monkeypatch):
     """A repetition penalty before the top-k warper lowers tokens of the certified top-K, and the k-th processed
     score can then fall to the bound on the uncomputed tokens: the row re-runs stock's head. The head therefore

@@ -54,6 +54,7 @@ def _run(arch, dtype, nb, batch, extra, seed=1, **csv) -> tuple:
 RAN: list = []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eps", [1e-3, 0.05, 0.5])
 @pytest.mark.parametrize("arch,dtype,nb,batch,extra", CASES)
 def test_beam_exact_matches_stock(monkeypatch, arch, dtype, nb, batch, extra, eps):

@@ -209,6 +209,7 @@ def test_sampled_draft_without_top_k_keeps_its_tail(pair, monkeypatch):
         assert bool(((logits[0] - exact[0]).abs()[tail] <= 2 * (up - est)[tail] + 1e-4).all())
 
 
+@pytest.mark.slow
 def test_sampled_draft_top_k_is_lossless_chi_square():
     """First new token of assisted sampling with a *truncated* (top-2) draft follows the target's
     softmax exactly. 1500 draws, chi-square at significance level 0.001, fixed seed."""
@@ -275,6 +276,7 @@ def test_real_whisper_truncated_assistant_identical(monkeypatch):
     assert st["draft"]["certified"] > 0 and st["certified"] > 0
 
 
+@pytest.mark.slow
 def test_real_smollm_truncated_self_draft_identical(monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")

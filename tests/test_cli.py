@@ -26,12 +26,14 @@ def tiny_model(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sub", [[], ["build"], ["push"], ["pull"], ["inspect"], ["bench"]])
 def test_help(sub):
     r = run(*sub, "--help")
     assert r.returncode == 0 and "usage: hf-csv" in r.stdout
 
 
+@pytest.mark.slow
 def test_build_inspect_push_pull(tiny_model, tmp_path):
     import os
 
@@ -63,6 +65,7 @@ def test_build_inspect_push_pull(tiny_model, tmp_path):
     assert not diff, diff
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(tmp_path):
     r = run("inspect", str(tmp_path))  # an empty directory is not an index
     assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr

@@ -73,6 +73,7 @@ def _gen(m, x, csv: bool, **kw):
     return out, (m.csv_last_stats if csv else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "whisper"])
 def test_compiled_greedy_is_stock_compiled(arch):
     torch._dynamo.reset()
@@ -92,6 +93,7 @@ def test_compiled_greedy_is_stock_compiled(arch):
     assert st2["compiled_head"]["rows"] > 0
 
 
+@pytest.mark.slow
 def test_no_graph_break():
     """The static head traces into one graph (fullgraph=True would raise otherwise; counted here too)."""
     from torch._dynamo.utils import counters
@@ -128,6 +130,7 @@ def _sampled(m, x, csv: bool, seed: int = 0, **kw):
     return m.generate(**x, csv_config=CSVConfig(), **kw) if csv else m.generate(**x, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,kw", [
     ("llama", dict(top_k=20, temperature=0.8)),
     ("qwen2", dict(top_k=8, temperature=1.3, top_p=0.9)),
@@ -221,6 +224,7 @@ def test_static_topk_rejects_bad_arguments():
         StaticTopK(W, rows, k=1, capacity=V)
 
 
+@pytest.mark.slow
 def test_compiled_greedy_with_a_suppress_list():
     """Whisper's fixed suppress list is folded into the static certificate (the top-1 of the other tokens): with
     stock's own favourite tokens suppressed and a small capacity, the tokens are still stock compiled's."""
@@ -281,6 +285,7 @@ def test_compiled_plan_only_for_a_lone_call():
     assert not set_static_plan(m, plan, own=True)  # no call active: nothing to install into
 
 
+@pytest.mark.slow
 def test_compiled_stats_when_the_eager_prefill_used_the_full_head(monkeypatch):
     """The eager prefill may take the full head (a large head's screen still being packed); the compiled steps'
     rows are still counted, and the call's stats are well formed (they divided by a zero vocabulary size)."""
@@ -330,6 +335,7 @@ def _compiled_case(i: int) -> dict:
     return c
 
 
+@pytest.mark.slow
 def test_compiled_differential_case(compiled_case):
     c = _compiled_case(compiled_case)
     torch._dynamo.reset()
@@ -367,6 +373,7 @@ def test_compiled_differential_summary():
     assert cert >= n / 2, COMPILED_RESULTS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "top-k-sampling"])
 def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(sampled):
     """A compiled step cannot be timed: where the head's speed guard measured the full head faster on the eager steps

@@ -162,6 +162,7 @@ print("identical", bool(torch.equal(got, want)), "certified", st["certified"], s
 """
 
 
+@pytest.mark.slow
 def test_the_repository_works_without_hf_csv_installed(llama_repo, tmp_path):
     """The folder carries hf_csv (hf_csv.vendor): a process where ``import hf_csv`` fails still gets certified,
     stock-identical greedy decoding, from the repository alone."""

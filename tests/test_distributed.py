@@ -29,6 +29,7 @@ def world_results(request, tmp_path_factory):
     return world, _spawn(world, ["head", "generate", "tp"], tmp_path_factory.mktemp(f"w{world}"))
 
 
+@pytest.mark.slow
 def test_certified_topk_matches_the_full_head_on_every_rank(world_results):
     world, outs = world_results
     for rank, o in enumerate(outs):
@@ -69,6 +70,7 @@ def test_tensor_parallel_sharded_lm_head_is_used_as_sharded(world_results):
         assert tp_stock_same and csv_same and certified > 0 and parallel, (rank, o["tp"])
 
 
+@pytest.mark.slow
 def test_real_smollm_two_ranks(tmp_path):
     d = MODELS / "smollm2-135m"
     if not (d / "PROVENANCE.json").is_file():
@@ -79,6 +81,7 @@ def test_real_smollm_two_ranks(tmp_path):
         assert same and certified == rows > 0, (rank, o["smollm"])
 
 
+@pytest.mark.slow
 def test_real_smollm_tp_plan_auto_three_ranks(tmp_path):
     """transformers' own tensor parallelism (tp_plan="auto", gloo): lm_head is sharded by vocabulary and the
     certified head uses those shards. 3 ranks: SmolLM2's 9 query / 3 key-value heads must divide evenly

@@ -324,6 +324,7 @@ def _prompts(k=3):
     return [json.loads(line)["prompt"] for line in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()[:k]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smollm2_greedy_identical(dtype, monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
@@ -359,6 +360,7 @@ def test_smollm2_greedy_identical(dtype, monkeypatch):
         assert r1 == r2 and m.csv_last_stats["mode"] == "topk"
 
 
+@pytest.mark.slow
 def test_whisper_tiny_greedy_identical(monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
@@ -380,6 +382,7 @@ def test_whisper_tiny_greedy_identical(monkeypatch):
         assert st["mode"] == "topk" and st["certified"] + st["near_ties"] > 0.9 * st["rows"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     {"min_p": 0.1},
     {"min_p": 0.05, "temperature": 0.7},

@@ -55,6 +55,7 @@ def test_tiny_random_whisper_greedy_identical():
     assert m.csv_last_stats["certified"] > 0
 
 
+@pytest.mark.slow
 def test_long_form_whisper_identical():
     """> 30 s of audio: Whisper's own long-form loop (timestamps) runs per segment; identical output."""
     from scipy.io import wavfile

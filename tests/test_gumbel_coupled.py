@@ -84,6 +84,7 @@ def test_gumbel_coupled_verify_accepts_the_matching_prefix():
         gumbel_coupled_verify(x, rows[:L], noise[:L])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_gumbel_assisted_sampling_is_the_stock_keyed_draw_for_any_draft(trio, name):
     """Token for token: the certified assisted call (target and draft heads certified) equals the stock reference,
@@ -161,6 +162,7 @@ def test_gumbel_draft_confidence_stop(trio):
     assert drafted[0.0] > 3.0 and drafted[0.999] < 1.5, drafted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain_T1", "qwen_chat"])
 def test_gumbel_assisted_sampling_law_matches_stock(name):
     """First two tokens: stock assisted sampling vs Gumbel-coupled (certified heads), two-sample chi-square,

@@ -72,6 +72,7 @@ def test_other_normalizing_warpers_with_top_p_are_declined(kw, why):
     assert st["mode"] == "full" and any(why in r for r in st["reasons"]), st["reasons"]
 
 
+@pytest.mark.slow
 def test_real_smollm2_top_p_same_tokens_and_certified(monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")

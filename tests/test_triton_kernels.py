@@ -27,6 +27,7 @@ def rnd(*shape, scale=1.0):
     return (torch.randn(*shape, generator=G) * scale).to(DEV)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("V,d,N", [(1000, 37, 2), (129, 64, 1), (32000, 8, 1), (51864, 4, 1), (151936, 4, 1),
                                    (262144, 4, 1)])
 def test_screen_matches_reference_and_is_sound(V, d, N):
@@ -59,6 +60,7 @@ def test_screen_fp8_decodes_every_e4m3_code_exactly():
     assert torch.equal(est[:, 0], q[0].float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("V,d,N", [(1000, 37, 2), (32000, 8, 1), (151936, 4, 1)])
 def test_screen_fp8_matches_reference_and_is_sound(V, d, N):
     """fp8 e4m3 rows through the same Triton screen kernel (GPU: sm89+; here the interpreter)."""
@@ -144,6 +146,7 @@ def test_residual_race_matches_reference(sigmoid, V):
     assert ok == okr and int(i) == int(j)
 
 
+@pytest.mark.slow
 def test_residual_race_is_an_exact_draw():
     """Chi-square at α = 0.001: winners follow norm(max(0, p − q))."""
     from scipy import stats
@@ -187,6 +190,7 @@ def test_certified_head_on_cuda_uses_triton():
     assert torch.equal(res.logits.argmax(1), (H @ W.T).argmax(1))
 
 
+@pytest.mark.slow
 def test_exact_verify_with_triton_kernels_follows_the_target(monkeypatch):
     """The batched exact verify routed through the Triton logsumexp and fused residual race (forced
     backend, interpreter on CPU): the first emitted token follows p exactly (chi-square, α = 0.001)."""

@@ -69,6 +69,7 @@ def F_linear(H, W):
     return torch.nn.functional.linear(H, W)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,expect", [("auto", "topk"), ("sample", "sample")])
 def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect, assume_subset_exact, monkeypatch):
     # (one call of 200 rows: the speed guard's prior would start it on the full head; this tests the draw)
@@ -126,6 +127,7 @@ def test_cohere_logit_scale_sampling_law():
 
 
 # ------------------------------------------------------------------ 3. softcap ties in greedy
+@pytest.mark.slow
 def test_gemma2_softcap_ties_greedy_identical():
     """A small cap saturates tanh in bf16: stock's argmax sees ties and takes the lowest index."""
     m = _tiny(tf.Gemma2ForCausalLM, tf.Gemma2Config, scale=30.0, dtype=torch.bfloat16, head_dim=16,
@@ -142,6 +144,7 @@ def test_gemma2_softcap_ties_greedy_identical():
 
 
 # ------------------------------------------------------------------ 4. stale screen after in-place updates
+@pytest.mark.slow
 def test_screen_rebuilt_after_optimizer_step_and_load_state_dict():
     m = hf_csv.enable(tiny_llama(scale=20.0))
     x = _ids()
@@ -232,6 +235,7 @@ def test_stopping_criterion_reading_scores_declines(assume_subset_exact):  # sco
 
 
 # ------------------------------------------------------------------ 8. Whisper thresholds on the config
+@pytest.mark.slow
 def test_whisper_thresholds_on_generation_config_are_honoured():
     from scipy.io import wavfile
     from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
@@ -256,6 +260,7 @@ def test_whisper_thresholds_on_generation_config_are_honoured():
 
 
 # ------------------------------------------------------------------ 9. concurrent certified calls
+@pytest.mark.slow
 def test_concurrent_certified_calls_on_one_model():
     import sys
 
@@ -391,6 +396,7 @@ def test_guard_catches_an_unregistered_post_head_transform():
 
 
 # ------------------------------------------------------------------ real model, chat-style sampling (issue 14 row)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw,mode", [
     # Qwen2.5's shipped defaults: the checked top-K hands top-p and stock's sampler stock's own vector

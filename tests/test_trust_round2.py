@@ -30,6 +30,7 @@ def pair():
     return hf_csv.enable(tiny_llama(scale=20.0)), hf_csv.enable(tiny_llama(scale=20.0, seed=3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["greedy_rep", "topk", "assisted"])
 @pytest.mark.parametrize("threads", [1, 4])
 def test_certified_calls_leave_nothing_alive(pair, kind, threads):
@@ -200,6 +201,7 @@ def test_unmutated_artifact_certifies(art_base):
     assert m.csv_last_stats["certified"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,name,fn", _tensor_mutations(), ids=lambda v: v if isinstance(v, str) else "")
 def test_hostile_screen_tensor_refused_or_stock(art_base, tmp_path, key, name, fn, assume_subset_exact):
     """Every stored tensor mutated (the sha256 in the config updated, as a hostile uploader would): refused with
@@ -364,6 +366,7 @@ def test_exact_ties_stay_stock_when_subset_values_differ_in_the_last_bit(monkeyp
     assert res.stats.near_ties >= int((stock == 204).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rep", [1.0, 1.3])
 def test_greedy_with_duplicated_rows_is_stock_when_subset_values_differ(monkeypatch, dtype, rep):
@@ -502,6 +505,7 @@ def test_sampling_after_a_lowering_processor_with_huge_logits_follows_the_law():
 
 
 # ------------------------------------------------------------------ 8. the masking processors' shortcut
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
     """With only masking processors before the check (suppressions, minimum lengths, no-repeat n-grams), the processed

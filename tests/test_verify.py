@@ -174,6 +174,7 @@ def run_stock(zp, zq, drafts, seed, **kw) -> list[tuple[int, ...]]:
 # ----------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("V,L,sub,seed", [(12, 3, None, 0), (16, 2, 9, 1), (8, 1, 5, 2)])
 def test_exact_matches_analytic_law_and_stock(V, L, sub, seed):
     """(n, last token) and the first emitted token follow the analytic law (whose first-token

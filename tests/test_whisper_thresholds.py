@@ -50,6 +50,7 @@ def _run(m, spy, csv, **kw):
     return out, list(spy["avg"]), list(spy["decisions"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_decisions_at_the_threshold_are_stocks(spy, seed):
     """Thresholds at stock's own avg-logprob and one float above it: every decision is stock's (the bounds cannot
@@ -68,6 +69,7 @@ def test_decisions_at_the_threshold_are_stocks(spy, seed):
         assert st["decisions"] > 0 and st["fully_replayed"] + st["replayed_steps"] > 0, st
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("thr", [-0.5, -2.0, -4.0])
 def test_decisions_and_tokens_identical_across_thresholds(spy, thr):
     seen = 0
@@ -111,6 +113,7 @@ def test_returned_scores_keep_the_full_head():
     assert st["mode"] == "full" and any("logprob_threshold" in r for r in st["reasons"]), st["reasons"]
 
 
+@pytest.mark.slow
 def test_real_long_form_with_temperature_fallback_identical(tiny_en, spy):
     """whisper-tiny.en, > 60 s, sequential long-form with the usual fallback settings: stock's tokens and decisions;
     greedy rounds certified."""
