@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
+from test_generate import tiny_llama  # noqa: E402  (the tests' tiny random Llama: one definition)
 
 _OURS = ("hf_csv.", "hf_csv_kernels.")
 
@@ -55,23 +57,9 @@ def _caller(frame) -> str | None:
     return None
 
 
-def tiny_llama(vocab: int = 256, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(20.0)  # spread the logits so the certificate prunes
-    m.generation_config.pad_token_id = 0
-    return m
-
-
 def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens: int = 6) -> dict:
     """Trace decode step ``step`` (0 is the prefill) of a certified greedy call; returns the report."""
-    model = hf_csv.enable(tiny_llama())
+    model = hf_csv.enable(tiny_llama(scale=20.0))  # spread logits so the certificate prunes
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, csv_config=CSVConfig())
     if repetition_penalty is not None:
