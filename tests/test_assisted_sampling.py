@@ -328,6 +328,7 @@ def wide_pair():
     return hf_csv.enable(target), draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05),
                                 dict(top_k=50), dict(top_k=5, temperature=1.3, min_p=0.1)],
                          ids=["qwen_chat", "default", "min_p_after_top_k"])

@@ -89,6 +89,7 @@ def test_default_beam_search_uses_the_full_head():
     assert any("beam_search='exact'" in r for r in st["reasons"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("whisper", torch.float32),
                                         ("llama", torch.bfloat16)])
 def test_intervals_contain_stock(monkeypatch, arch, dtype):
@@ -239,6 +240,7 @@ def test_small_vector_decisions():
         hb._certify_topk(lo3, hi3, torch.tensor([[0, 3, 1]]), "x", small=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,nb,batch,extra", [CASES[1], CASES[2], CASES[3], CASES[8]])
 def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, batch, extra):
     """The certificate's claim: every value in the intervals gives stock's decisions. So stock's bookkeeping run on

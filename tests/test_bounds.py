@@ -63,6 +63,7 @@ def test_screen_upper_never_underestimates(head, backend, n_out):
     assert (U.double() >= ex).all(), float((ex - U.double()).max())
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(heads())
 def test_screen_kernels_two_sided(head):

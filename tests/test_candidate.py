@@ -256,6 +256,7 @@ def test_tiny_whisper_assisted_encoder_decoder_and_decoder_only():
         assert m.csv_last_stats["draft"]["rows"] > 0
 
 
+@pytest.mark.slow
 def test_real_whisper_truncated_assistant_identical(monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")

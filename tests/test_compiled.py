@@ -111,6 +111,7 @@ def test_no_graph_break():
     assert plans and all(p.screen_key is not None for p in plans)
 
 
+@pytest.mark.slow
 def test_compiled_call_that_needs_a_check_uses_the_stock_head():
     """A lowering processor needs the per-step check, which cannot run inside a graph: stock's head there, the
     reason logged, the tokens stock compiled's."""
@@ -157,6 +158,7 @@ def test_compiled_top_k_sampling_is_stock_compiled(arch, kw):
     assert torch.equal(ref2, got2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw,why", [
     (dict(top_k=20, repetition_penalty=1.3), "lowering processors"),  # before the top-k: needs the per-step check
     (dict(top_k=0, top_p=0.9), "nucleus"),  # no top-k warper: the nucleus check

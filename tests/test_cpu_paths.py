@@ -276,6 +276,7 @@ def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_severa
         hf_csv.disable(m)
 
 
+@pytest.mark.slow
 def test_native_kernel_builds_into_an_empty_cache_and_can_be_turned_off(tmp_path):
     """A fresh machine: the library is compiled into $HF_CSV_KERNEL_CACHE on first use and loaded from there;
     HF_CSV_NATIVE=0 turns it off with the reason (the screen then uses fbgemm)."""

@@ -215,6 +215,7 @@ def hub(tmp_path, monkeypatch):
         yield h
 
 
+@pytest.mark.slow
 def test_push_model_then_from_pretrained_through_the_hub(hub, tmp_path, monkeypatch):
     ref = _llama(seed=4)
     ref.save_pretrained(tmp_path / "model")

@@ -44,6 +44,7 @@ def test_certified_topk_matches_the_full_head_on_every_rank(world_results):
                 assert fallback > 0, key  # budget of one token < k: every row fell back, still exact
 
 
+@pytest.mark.slow
 def test_top_token_lives_on_every_rank_in_turn(world_results):
     world, outs = world_results
     o = outs[0]["head"]

@@ -92,6 +92,7 @@ def test_untested_transformers_version_warns_once_and_uses_the_full_head(monkeyp
 
 
 # ------------------------------------------------------------------ stock without csv_config
+@pytest.mark.slow
 def test_no_csv_config_is_stock_and_modules_untouched():
     ref = tiny_llama(scale=20.0)
     m = tiny_llama(scale=20.0)

@@ -111,6 +111,7 @@ def test_gumbel_assisted_sampling_is_the_stock_keyed_draw_for_any_draft(trio, na
     assert acc > 0.9, acc
 
 
+@pytest.mark.slow
 def test_gumbel_assisted_sampling_with_full_heads_is_the_same_draw(trio):
     """Where hf_csv uses stock's heads (draft_head='full'; the target's head over the budget) the coupled draws
     happen on the full rows with the same noise: the same tokens."""
@@ -139,6 +140,7 @@ def test_gumbel_with_output_scores_draws_from_the_processed_rows(trio):
     assert max(finite) > 1, finite  # processed rows, not one-hot draws
 
 
+@pytest.mark.slow
 def test_gumbel_draft_confidence_stop(trio):
     """The drafts' returned scores are one-hot, so stock's confidence stop would never fire; hf_csv's reads the
     drawn token's probability. Threshold 0: every round drafts the full constant length; 0.999: one token. The

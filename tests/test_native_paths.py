@@ -78,6 +78,7 @@ def test_each_kernel_path_is_exact_and_equals_the_avx2_path(path, tmp_path):
                 assert torch.equal(x, y), k
 
 
+@pytest.mark.slow
 def test_a_forced_path_the_host_cannot_run_leaves_fbgemm_with_the_reason():
     code = "from hf_csv_kernels import native; import json; print(json.dumps([native.available(), native.why_unavailable()]))"
     for bad, said in (("avx9000", "not one of"),) + tuple((p, "lacks") for p in native.PATHS if p not in RUNNABLE):

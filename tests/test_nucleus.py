@@ -18,6 +18,7 @@ SETTINGS = [dict(top_p=0.9, top_k=0), dict(top_p=0.5, top_k=0, temperature=0.7),
             dict(top_p=0.95, top_k=0, repetition_penalty=1.3), dict(top_p=0.8, top_k=0, no_repeat_ngram_size=2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_top_p_without_top_k_same_tokens_as_stock(dtype):
     seen = Counter()

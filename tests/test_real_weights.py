@@ -25,6 +25,7 @@ def smol():
     return model.lm_head.weight.detach(), H, out.logits[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_screen_zero_violations_and_exact_top1(smol, backend, monkeypatch):
     monkeypatch.setenv("HF_CSV_KERNELS", backend)
@@ -42,6 +43,7 @@ def test_screen_zero_violations_and_exact_top1(smol, backend, monkeypatch):
     assert torch.equal(res5.logits.topk(5).indices.sort(1).values, logits[:64].topk(5).indices.sort(1).values)
 
 
+@pytest.mark.slow
 def test_cluster_zero_violations(smol):
     W, H, _ = smol
     ix = VocabIndex.build(W, num_clusters=256, niter=4, progress=False)

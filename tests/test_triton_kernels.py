@@ -46,6 +46,7 @@ def test_screen_matches_reference_and_is_sound(V, d, N):
     assert torch.equal(bmax, torch.cat([low, pad], 1).view(N, nblk, -1).amax(2))
 
 
+@pytest.mark.slow
 def test_screen_fp8_decodes_every_e4m3_code_exactly():
     """All 254 finite e4m3fn codes (normal, subnormal, ±0) through the in-kernel decoder."""
     from hf_csv_kernels.quantize import Int8Rows

@@ -84,6 +84,7 @@ def test_decisions_and_tokens_identical_across_thresholds(spy, thr):
     assert seen > 0
 
 
+@pytest.mark.slow
 def test_declined_after_the_list_was_built_uses_stocks_own_decision(spy):
     """A stopping criterion that may read the scores declines the call after the processors were chosen: the kept rows
     are then stock's and so is the avg-logprob (found by the differential fuzzer)."""
