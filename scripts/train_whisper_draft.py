@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""Train a distil-whisper-shaped draft for whisper-base on this machine's CPU (issue 40; docs/speculative.md §6).
+
+    python scripts/train_whisper_draft.py                      # the default run: about 40 min on 2 cores
+    python scripts/train_whisper_draft.py --clips 24 --train-minutes 1 --out /tmp/draft   # a smoke run
+
+What it does, in order (each stage prints its time):
+
+1. **Text.** Sentences from a template grammar written here and, where ``$HF_CSV_MODELS/smollm2-135m`` exists,
+   sentences sampled from it (the model zoo's prose prompts, temperature 0.9). Sentences of the evaluation clips
+   (``scripts/_speech.py``: the held-out clips and ``../shared/models/speech``) are dropped.
+2. **Speech.** espeak-ng + sox: each training clip is 1 to 6 sentences read by one of the *training* voices,
+   speeds and pitches (``_speech.TRAIN_*``; the held-out voices and speeds are never used), 2 to 28 s.
+3. **Encoder outputs** of whisper-base, computed once (fp32, kept in fp16).
+4. **Pseudo-labels.** whisper-base's own greedy transcripts (``language="en"``, ``task="transcribe"``, batched
+   ``generate``), and its teacher-forced token distributions on them (top-16 log-probabilities per position).
+5. **The draft.** A ``WhisperForCausalLM`` with 2 decoder layers, initialised from whisper-base's first and last
+   decoder layers, its token and position embeddings, final layer norm and (tied) head. Trained by knowledge
+   distillation: cross-entropy on the greedy tokens plus the cross-entropy against the teacher's top-16
+   distribution (renormalised). The embeddings, the head and the cross-attention key/value projections stay frozen
+   (they are the target's own, so the encoder's keys and values need no gradient), everything else trains.
+6. **Curve.** Every ``--eval-every`` steps: the draft's greedy agreement with whisper-base on the held-out clips
+   (teacher-forced on whisper-base's own greedy transcripts: the fraction of positions where the draft's argmax is
+   the target's next token, which is the per-token acceptance of assisted greedy decoding) and the training loss;
+   written to ``curve.json`` and plotted to ``curve.png``.
+7. **Save** to ``--out`` (default ``$HF_CSV_MODELS/whisper-base-draft``): a standard transformers checkpoint
+   (``WhisperForCausalLM``, safetensors, the target's generation config and processor) with a model card
+   (``README.md``) stating the data and the figures.
+
+Use it as transformers' assistant: ``model.generate(features, assistant_model=WhisperForCausalLM.from_pretrained(out),
+language="en")``; hf_csv certifies its head too (``csv_config=CSVConfig()``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import _speech  # noqa: E402
+
+MODELS = Path(os.environ.get("HF_CSV_MODELS", Path.home() / ".cache" / "hf-csv-models"))
+TOPK = 16
+
+# --- 1. text -------------------------------------------------------------------------------------------------------
+_T = {
+    "who": ["my sister", "the teacher", "our neighbour", "a young doctor", "the old fisherman", "the children",
+            "the new manager", "my grandfather", "a tall stranger", "the pilot", "the baker", "our team",
+            "the students", "his cousin", "the mayor", "a famous painter", "the nurse", "my best friend"],
+    "verb": ["bought", "found", "painted", "repaired", "forgot", "sold", "carried", "cleaned", "lost", "borrowed",
+             "ordered", "delivered", "described", "photographed", "opened", "packed", "returned", "wrapped"],
+    "thing": ["a blue umbrella", "the heavy boxes", "an old bicycle", "three wooden chairs", "the kitchen table",
+              "a basket of apples", "the broken clock", "a small green boat", "the letters", "a pair of boots",
+              "the silver key", "twelve cups of coffee", "a map of the island", "the garden gate",
+              "two tickets to the concert", "a loaf of fresh bread", "the red notebook", "a box of candles"],
+    "where": ["at the market", "near the station", "in the village", "behind the library", "by the river",
+              "at the airport", "in the mountains", "on the north coast", "outside the museum", "in the city centre",
+              "at the hospital", "on the farm", "in a quiet street", "at the harbour", "in the school hall"],
+    "when": ["yesterday morning", "last Tuesday", "early on Sunday", "after lunch", "before the storm",
+             "in the evening", "three weeks ago", "at half past seven", "during the holidays", "on Friday night",
+             "in nineteen ninety eight", "at the end of May", "this afternoon", "every winter"],
+    "adj": ["cold", "bright", "quiet", "busy", "expensive", "beautiful", "crowded", "strange", "warm", "windy",
+            "difficult", "peaceful", "noisy", "dark", "wonderful", "tiny"],
+    "place": ["the hotel", "the park", "the office", "the beach", "the kitchen", "the train", "the theatre",
+              "the bakery", "the valley", "the classroom", "the bridge", "the forest"],
+}
+_FORMS = [
+    "{who} {verb} {thing} {where} {when}.",
+    "{when}, {who} {verb} {thing}.",
+    "Did {who} really say that {place} was {adj} {when}?",
+    "It was a {adj} day, and {who} {verb} {thing} {where}.",
+    "I think {who} {verb} {thing}, but nobody saw it happen.",
+    "If the weather stays {adj}, {who} will meet us {where} {when}.",
+    "{place} felt {adj} {when}, so we left early.",
+    "Please ask {who} whether {thing} is still {where}.",
+    "According to {who}, {place} is the most {adj} place in the region.",
+    "We waited {where} for almost an hour, and then {who} arrived with {thing}.",
+    "Nobody expected {place} to be so {adj} {when}.",
+    "The report says that {who} {verb} {thing} {when}.",
+]
+
+
+def template_sentences(n: int, rng: random.Random) -> list:
+    out = []
+    for _ in range(n):
+        s = rng.choice(_FORMS).format(**{k: rng.choice(v) for k, v in _T.items()})
+        out.append(s[0].upper() + s[1:])
+    return out
+
+
+def lm_sentences(max_seconds: float, rng: random.Random, threads: int) -> list:
+    """Sentences sampled from SmolLM2 (the model zoo), continuing its prose prompts, for at most ``max_seconds``."""
+    path = MODELS / "smollm2-135m"
+    prompts_file = ROOT.parent / "shared" / "models" / "prompts.jsonl"
+    if not path.is_dir() or not prompts_file.is_file() or max_seconds <= 0:
+        return []
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
+    prompts = [p for p in prompts if "def " not in p and "{" not in p and "(" not in p] or prompts
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    out, t0, g = [], time.perf_counter(), torch.Generator().manual_seed(rng.randint(0, 2**31))
+    while time.perf_counter() - t0 < max_seconds:
+        batch = [rng.choice(prompts) for _ in range(16)]
+        enc = tok(batch, return_tensors="pt", padding=True)
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+        with torch.no_grad():
+            ids = lm.generate(**enc, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=80,
+                              pad_token_id=tok.pad_token_id)
+        for text in tok.batch_decode(ids[:, enc.input_ids.shape[1]:], skip_special_tokens=True):
+            for s in text.replace("\n", " ").split(". "):
+                s = s.strip().rstrip(".") + "."
+                words = s.split()
+                if 5 <= len(words) <= 28 and all(c.isascii() and (c.isalnum() or c in " ,.'?!-") for c in s):
+                    out.append(s[0].upper() + s[1:])
+    del lm
+    return out
+
+
+# --- 2.-4. speech, encoder outputs, pseudo-labels ------------------------------------------------------------------
+def make_clips(sentences: list, n: int, rng: random.Random, workers: int = 2) -> list:
+    """[(samples, voice, wpm, pitch, text)] for n training clips of 1-6 sentences each (at most 28 s)."""
+    specs = []
+    for _ in range(n):
+        k = rng.randint(1, 6)
+        specs.append((" ".join(rng.choice(sentences) for _ in range(k)),) + _speech.train_voice(rng))
+
+    def one(spec):
+        text, voice, wpm, pitch = spec
+        a = _speech.synth(text, voice, wpm, pitch)
+        while len(a) > 28 * 16000:  # Whisper reads 30 s: drop the last sentence until it fits
+            text = text.rsplit(". ", 1)[0] + "." if ". " in text else text[: len(text) // 2]
+            a = _speech.synth(text, voice, wpm, pitch)
+        return a, voice, wpm, pitch, text
+
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, specs))
+
+
+@torch.no_grad()
+def encode(model, proc, audios: list, batch: int = 4) -> torch.Tensor:
+    """whisper-base's encoder outputs [n, 1500, d], fp16 (computed in fp32)."""
+    outs = []
+    for i in range(0, len(audios), batch):
+        feats = proc(audios[i:i + batch], sampling_rate=16000, return_tensors="pt").input_features
+        outs.append(model.get_encoder()(feats).last_hidden_state.half())
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def pseudo_label(model, enc: torch.Tensor, batch: int = 16) -> list:
+    """whisper-base's greedy transcripts (decoder ids: the 4 prompt tokens, the text, eos) of each encoder output."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    gc = model.generation_config
+    eos = gc.eos_token_id
+    # generate returns the text tokens (the forced prompt left out): rebuild start, <|en|>, <|transcribe|>,
+    # <|notimestamps|>, text, eos, the sequence the draft sees in assisted decoding
+    prompt = [gc.decoder_start_token_id, gc.lang_to_id["<|en|>"], gc.task_to_id["transcribe"], gc.no_timestamps_token_id]
+    seqs = []
+    for i in range(0, enc.shape[0], batch):
+        e = enc[i:i + batch].float()
+        ids = model.generate(encoder_outputs=BaseModelOutput(last_hidden_state=e), language="en", task="transcribe",
+                             num_beams=1, do_sample=False, max_new_tokens=200)
+        for row in ids.tolist():
+            k = 0
+            while k < len(row) and row[k] >= eos:  # leading specials, if any
+                k += 1
+            text = row[k:]
+            text = text[:text.index(eos)] if eos in text else text
+            seqs.append(torch.tensor(prompt + text + [eos]))
+    return seqs
+
+
+def pad(seqs: list, value: int) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
+
+
+@torch.no_grad()
+def teacher_topk(model, enc: torch.Tensor, seqs: list, batch: int = 16) -> list:
+    """Per sequence: (top-16 log-probs [T-1, 16] fp16, their ids [T-1, 16] int32) of whisper-base teacher-forced."""
+    out = []
+    head = model.get_output_embeddings()
+    for i in range(0, len(seqs), batch):
+        s = seqs[i:i + batch]
+        ids = pad(s, 0)
+        h = model.model.decoder(input_ids=ids[:, :-1], encoder_hidden_states=enc[i:i + len(s)].float()).last_hidden_state
+        lp = F.log_softmax(head(h), -1)
+        v, ix = lp.topk(TOPK, -1)
+        for j, row in enumerate(s):
+            n = len(row) - 1
+            out.append((v[j, :n].half(), ix[j, :n].int()))
+    return out
+
+
+# --- 5. the draft ----------------------------------------------------------------------------------------------------
+def init_draft(model, layers=(0, -1)):
+    """A 2-layer ``WhisperForCausalLM`` from whisper-base's decoder layers ``layers``, embeddings, norm and head."""
+    from transformers import WhisperForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    cfg.decoder_layers = len(layers)
+    cfg.is_encoder_decoder = False
+    cfg.architectures = ["WhisperForCausalLM"]
+    draft = WhisperForCausalLM(cfg)
+    src, dst = model.model.decoder, draft.model.decoder
+    dst.embed_tokens.load_state_dict(src.embed_tokens.state_dict())
+    dst.embed_positions.load_state_dict(src.embed_positions.state_dict())
+    dst.layer_norm.load_state_dict(src.layer_norm.state_dict())
+    for k, i in enumerate(layers):
+        dst.layers[k].load_state_dict(src.layers[i].state_dict())
+    draft.tie_weights()
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    for name, p in draft.named_parameters():
+        p.requires_grad = not ("embed" in name or "proj_out" in name or "encoder_attn.k_proj" in name
+                               or "encoder_attn.v_proj" in name)
+    return draft
+
+
+def draft_logits(draft, ids: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The draft's logits at the positions ``mask`` selects ([n, V]): the head runs on those rows only."""
+    h = draft.model.decoder(input_ids=ids, encoder_hidden_states=enc).last_hidden_state
+    return draft.proj_out(h[mask])
+
+
+def batch_of(idx: list, enc, seqs, tk, prompt: int = 4):
+    s = [seqs[i] for i in idx]
+    ids = pad(s, 0)
+    T = ids.shape[1] - 1
+    lens = torch.tensor([len(x) - 1 for x in s])
+    pos = torch.arange(T)[None]
+    mask = (pos < lens[:, None]) & (pos >= prompt - 1)  # positions that predict the text and eos
+    labels = ids[:, 1:][mask]
+    tv = torch.cat([tk[i][0][prompt - 1:] for i in idx]).float()
+    ti = torch.cat([tk[i][1][prompt - 1:] for i in idx]).long()
+    return ids[:, :-1], enc[idx].float(), mask, labels, tv, ti
+
+
+@torch.no_grad()
+def agreement(draft, enc, seqs, tk) -> float:
+    """Fraction of text positions where the draft's argmax is whisper-base's greedy next token (teacher-forced)."""
+    hit = tot = 0
+    for i in range(len(seqs)):
+        ids, e, mask, labels, _, _ = batch_of([i], enc, seqs, tk)
+        hit += int((draft_logits(draft, ids, e, mask).argmax(-1) == labels).sum())
+        tot += labels.numel()
+    return hit / max(1, tot)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=MODELS / "whisper-base")
+    ap.add_argument("--out", type=Path, default=MODELS / "whisper-base-draft")
+    ap.add_argument("--clips", type=int, default=360, help="training clips to synthesize")
+    ap.add_argument("--lm-seconds", type=float, default=60.0, help="time for sampling sentences from SmolLM2")
+    ap.add_argument("--train-minutes", type=float, default=22.0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--eval-every", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if _speech.tools_missing():
+        raise SystemExit(f"missing {', '.join(_speech.tools_missing())}: apt-get install -y espeak-ng sox")
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    rng = random.Random(a.seed)
+    from transformers import AutoProcessor, WhisperForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    t_all = time.perf_counter()
+    stages = {}
+
+    def stage(name, t0):
+        stages[name] = round(time.perf_counter() - t0, 1)
+        print(f"[{name}] {stages[name]} s", flush=True)
+
+    t0 = time.perf_counter()
+    excluded = _speech.excluded_texts()
+    lm = lm_sentences(a.lm_seconds, rng, a.threads)
+    sentences = [s for s in dict.fromkeys(template_sentences(3000, rng) + lm) if _speech.norm(s) not in excluded]
+    stage("text", t0)
+    print(f"  {len(sentences)} distinct sentences ({len(lm)} sampled from SmolLM2)")
+
+    t0 = time.perf_counter()
+    train = make_clips(sentences, a.clips, rng)
+    stage("speech", t0)
+    secs = sum(len(c[0]) for c in train) / 16000
+    print(f"  {len(train)} clips, {secs / 60:.1f} min of speech")
+
+    t0 = time.perf_counter()
+    proc = AutoProcessor.from_pretrained(a.model)
+    model = WhisperForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
+    evals = _speech.zoo_clips() + _speech.heldout_clips()
+    enc = encode(model, proc, [c[0] for c in train])
+    enc_ev = encode(model, proc, [c[1] for c in evals])
+    stage("encoder", t0)
+
+    t0 = time.perf_counter()
+    seqs = pseudo_label(model, enc)
+    seqs_ev = pseudo_label(model, enc_ev)
+    stage("pseudo_labels", t0)
+    t0 = time.perf_counter()
+    tk = teacher_topk(model, enc, seqs)
+    tk_ev = teacher_topk(model, enc_ev, seqs_ev)
+    stage("teacher", t0)
+    n_tok = sum(len(s) - 4 for s in seqs)
+    print(f"  {n_tok} transcript tokens (eos included) in {len(seqs)} clips")
+
+    draft = init_draft(model)
+    del model
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
+    curve = [{"step": 0, "seconds": 0.0, "agreement": agreement(draft.eval(), enc_ev, seqs_ev, tk_ev)}]
+    print(f"  step 0: held-out agreement {curve[0]['agreement']:.3f}")
+    t0 = time.perf_counter()
+    budget = a.train_minutes * 60
+    step, order, losses = 0, [], []
+    draft.train()
+    while time.perf_counter() - t0 < budget:
+        if len(order) < a.batch:
+            order += rng.sample(range(len(seqs)), len(seqs))
+        idx, order = order[:a.batch], order[a.batch:]
+        ids, e, mask, labels, tv, ti = batch_of(idx, enc, seqs, tk)
+        frac = (time.perf_counter() - t0) / budget
+        lr = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        logits = draft_logits(draft, ids, e, mask)
+        lp = F.log_softmax(logits, -1)
+        ce = F.nll_loss(lp, labels)
+        soft = -(F.softmax(tv, -1) * lp.gather(1, ti)).sum(-1).mean()
+        loss = ce + soft
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        losses.append(float(ce))
+        if step % a.eval_every == 0:
+            draft.eval()
+            curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
+                          "train_ce": sum(losses[-a.eval_every:]) / len(losses[-a.eval_every:]),
+                          "agreement": agreement(draft, enc_ev, seqs_ev, tk_ev)})
+            draft.train()
+            print(f"  step {step} ({curve[-1]['seconds']:.0f} s): train CE {curve[-1]['train_ce']:.3f}, "
+                  f"held-out agreement {curve[-1]['agreement']:.3f}", flush=True)
+    draft.eval()
+    if curve[-1]["step"] != step:
+        curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
+                      "train_ce": sum(losses[-a.eval_every:]) / max(1, len(losses[-a.eval_every:])),
+                      "agreement": agreement(draft, enc_ev, seqs_ev, tk_ev)})
+    stage("train", t0)
+
+    for p in draft.parameters():
+        p.requires_grad = True
+    a.out.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(a.out)
+    proc.save_pretrained(a.out)
+    report = {"command": " ".join(["python", *sys.argv]), "target": str(a.model), "clips": len(train),
+              "speech_minutes": round(secs / 60, 2), "sentences": len(sentences), "lm_sentences": len(lm),
+              "transcript_tokens": n_tok, "steps": step, "batch": a.batch, "lr": a.lr, "threads": a.threads,
+              "stages_s": stages, "total_s": round(time.perf_counter() - t_all, 1),
+              "eval_clips": [c[0] for c in evals], "agreement_start": curve[0]["agreement"],
+              "agreement_final": curve[-1]["agreement"], "curve": curve}
+    (a.out / "curve.json").write_text(json.dumps(report, indent=1))
+    plot(curve, a.out / "curve.png")
+    (a.out / "README.md").write_text(card(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "curve"}, indent=1))
+    return 0
+
+
+def plot(curve: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    s = [c["step"] for c in curve]
+    ax.plot(s, [c["agreement"] for c in curve], "o-", color="C0", label="held-out agreement (per-token acceptance)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("agreement with whisper-base", color="C0")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.plot(s[1:], [c["train_ce"] for c in curve[1:]], "s--", color="C1", label="train CE (hard labels)")
+    ax2.set_ylabel("train cross-entropy", color="C1")
+    ax.set_title("2-layer Whisper draft, distilled from whisper-base")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def card(r: dict) -> str:
+    return f"""---
+library_name: transformers
+base_model: openai/whisper-base
+tags: [whisper, speculative-decoding, assistant-model, distillation, hf_csv]
+license: mit
+---
+
+# whisper-base-draft: a 2-layer assistant for whisper-base
+
+A `WhisperForCausalLM` decoder (2 layers, whisper-base's layers 0 and 5 as initialisation, its embeddings, final norm
+and tied head) that reads whisper-base's encoder outputs, distilled from whisper-base on this machine's CPU by
+`scripts/train_whisper_draft.py` (hf_csv, issue 40). Use it with transformers' assisted generation:
+
+```python
+draft = WhisperForCausalLM.from_pretrained("{r['target'].replace('whisper-base', 'whisper-base-draft')}")
+ids = model.generate(input_features, assistant_model=draft, language="en", task="transcribe", num_beams=1)
+```
+
+Assisted greedy decoding returns whisper-base's own greedy transcript whatever the draft proposes; the draft only
+sets how many tokens each target step accepts.
+
+## Data
+* {r['clips']} synthetic English clips ({r['speech_minutes']} min), espeak-ng voices, speeds 120-175 wpm and pitches
+  25-75 of `scripts/_speech.py` (`TRAIN_*`); {r['sentences']} distinct sentences ({r['lm_sentences']} sampled from
+  SmolLM2-135M, the rest from a template grammar).
+* Labels: whisper-base's greedy transcripts (`language="en"`) and its top-{TOPK} teacher-forced distributions.
+* Held out (never trained on): the 7 English clips of `../shared/models/speech` and 6 clips with voices
+  (`en-gb-scotland`, `en-029`, variants `+f4` / `+m6`) and speeds (110-115, 180-185 wpm) outside the training set.
+
+## Training
+{r['steps']} AdamW steps, batch {r['batch']} clips, lr {r['lr']} (warm-up, cosine to a tenth), {r['threads']} CPU
+threads; stages (s): {r['stages_s']}; total {r['total_s']} s. Loss: cross-entropy on the greedy tokens plus the
+cross-entropy against the teacher's renormalised top-{TOPK}. Frozen: embeddings, head, cross-attention keys and values.
+
+## Figures
+Held-out agreement with whisper-base (teacher-forced: the fraction of positions where the draft's argmax is the
+target's greedy token, the per-token acceptance of assisted greedy decoding): {r['agreement_start']:.3f} at
+initialisation, **{r['agreement_final']:.3f}** after training (`curve.json`, `curve.png`). End-to-end speed:
+hf_csv's `docs/benchmarks.md` §10.
+"""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
