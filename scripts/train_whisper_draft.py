@@ -263,6 +263,54 @@ def agreement(draft, enc, seqs, tk) -> float:
     return hit / max(1, tot)
 
 
+def train_loop(draft, enc, seqs, tk, seconds: float, batch: int, lr: float, eval_every: int, rng: random.Random,
+               evaluate, max_steps: int = 10**9) -> tuple:
+    """Distil for ``seconds`` (or ``max_steps``): AdamW, 50 warm-up steps, cosine (by elapsed time) to a tenth,
+    gradient norm clipped at 1. Returns (steps, curve): ``evaluate(draft)`` at step 0, every ``eval_every`` steps
+    and at the end, with the mean hard-label cross-entropy since the last point."""
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    curve = [{"step": 0, "seconds": 0.0, "agreement": evaluate(draft.eval())}]
+    print(f"  step 0: held-out agreement {curve[0]['agreement']:.3f}", flush=True)
+    t0 = time.perf_counter()
+    step, order, losses = 0, [], []
+    draft.train()
+
+    def point():
+        draft.eval()
+        recent = losses[-eval_every:] or [float("nan")]
+        curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
+                      "train_ce": sum(recent) / len(recent), "agreement": evaluate(draft)})
+        draft.train()
+        print(f"  step {step} ({curve[-1]['seconds']:.0f} s): train CE {curve[-1]['train_ce']:.3f}, "
+              f"held-out agreement {curve[-1]['agreement']:.3f}", flush=True)
+
+    while time.perf_counter() - t0 < seconds and step < max_steps:
+        if len(order) < batch:
+            order += rng.sample(range(len(seqs)), len(seqs))
+        idx, order = order[:batch], order[batch:]
+        ids, e, mask, labels, tv, ti = batch_of(idx, enc, seqs, tk)
+        frac = min(1.0, (time.perf_counter() - t0) / seconds, step / max_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lp = F.log_softmax(draft_logits(draft, ids, e, mask), -1)
+        ce = F.nll_loss(lp, labels)
+        soft = -(F.softmax(tv, -1) * lp.gather(1, ti)).sum(-1).mean()  # cross-entropy against the teacher's top-k
+        opt.zero_grad(set_to_none=True)
+        (ce + soft).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        losses.append(ce.item())
+        if step % eval_every == 0:
+            point()
+    if curve[-1]["step"] != step:
+        point()
+    draft.eval()
+    return step, curve
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODELS / "whisper-base")
@@ -326,47 +374,9 @@ def main(argv=None) -> int:
 
     draft = init_draft(model)
     del model
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    curve = [{"step": 0, "seconds": 0.0, "agreement": agreement(draft.eval(), enc_ev, seqs_ev, tk_ev)}]
-    print(f"  step 0: held-out agreement {curve[0]['agreement']:.3f}")
     t0 = time.perf_counter()
-    budget = a.train_minutes * 60
-    step, order, losses = 0, [], []
-    draft.train()
-    while time.perf_counter() - t0 < budget:
-        if len(order) < a.batch:
-            order += rng.sample(range(len(seqs)), len(seqs))
-        idx, order = order[:a.batch], order[a.batch:]
-        ids, e, mask, labels, tv, ti = batch_of(idx, enc, seqs, tk)
-        frac = (time.perf_counter() - t0) / budget
-        lr = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        logits = draft_logits(draft, ids, e, mask)
-        lp = F.log_softmax(logits, -1)
-        ce = F.nll_loss(lp, labels)
-        soft = -(F.softmax(tv, -1) * lp.gather(1, ti)).sum(-1).mean()
-        loss = ce + soft
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        losses.append(float(ce))
-        if step % a.eval_every == 0:
-            draft.eval()
-            curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
-                          "train_ce": sum(losses[-a.eval_every:]) / len(losses[-a.eval_every:]),
-                          "agreement": agreement(draft, enc_ev, seqs_ev, tk_ev)})
-            draft.train()
-            print(f"  step {step} ({curve[-1]['seconds']:.0f} s): train CE {curve[-1]['train_ce']:.3f}, "
-                  f"held-out agreement {curve[-1]['agreement']:.3f}", flush=True)
-    draft.eval()
-    if curve[-1]["step"] != step:
-        curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
-                      "train_ce": sum(losses[-a.eval_every:]) / max(1, len(losses[-a.eval_every:])),
-                      "agreement": agreement(draft, enc_ev, seqs_ev, tk_ev)})
+    step, curve = train_loop(draft, enc, seqs, tk, a.train_minutes * 60, a.batch, a.lr, a.eval_every, rng,
+                             lambda d: agreement(d, enc_ev, seqs_ev, tk_ev))
     stage("train", t0)
 
     for p in draft.parameters():

@@ -1,17 +1,29 @@
 #!/usr/bin/env python
-"""Whisper with an assistant built from itself: int8 dynamically quantized (``--assistant quantized``, a real
-same-vocabulary pair: hf_csv.candidate.quantized_assistant) or its first decoder layers (``--assistant truncated``,
-untrained truncation, acceptance near 0: an API check, not a speed claim).
+"""Whisper assisted greedy decoding: plain, stock assisted and hf_csv assisted, interleaved, on English speech.
 
-    python scripts/whisper_assisted_report.py --model ~/.cache/hf-csv-models/whisper-base --assistant quantized \
-        --json out/whisper_assisted.json
+    python scripts/whisper_assisted_report.py --model $M/whisper-base --assistant $M/whisper-base-draft \
+        --runs 5 --draft-lengths 3 5 8 --pipeline --json out/whisper_draft.json
 
-For each speech clip of ../shared/models/speech (English): plain greedy, stock assisted and hf_csv assisted
-(``csv_config=CSVConfig()``), interleaved; reports identical tokens, the draft acceptance rate (accepted
-drafted tokens / drafted tokens, counted from stock's per-iteration report) and median tokens/s of each mode.
-It also times one decoder step of the assistant and of the target (cost ratio c) and reports the ceiling of
-assisted greedy decoding for the measured acceptance a: max over draft lengths k of
-(1 - a^(k+1)) / ((1 - a) (k c + 1)) (Leviathan et al. 2023, eq. 1 with the verify costing one target step).
+``--assistant``: a checkpoint folder (a ``WhisperForCausalLM`` draft such as ``scripts/train_whisper_draft.py``
+writes), ``quantized`` (the int8 self-draft, hf_csv.candidate.quantized_assistant) or ``truncated`` (the target's
+first ``--layers`` decoder layers, untrained: an API check, not a speed claim).
+
+Clips: the English clips of ../shared/models/speech and the held-out clips of ``scripts/_speech.py`` (voices and
+speeds no training clip used). Multilingual models decode with ``language="en", task="transcribe"``.
+
+For each clip, each run: plain greedy, stock assisted and hf_csv assisted (``csv_config=CSVConfig()``), in that
+order, from the input features (the encoder included). Reports whether all three give the same tokens on every
+clip and run (``identical``), the draft's acceptance (accepted drafted tokens / drafted tokens, counted from
+stock's own per-iteration report on hf_csv's run), tokens/s medians over runs (tokens / total time of the clips),
+``speedup_vs_plain`` and ``speedup_vs_stock_assisted`` (hf_csv assisted), the encoder's share of plain's time
+(the encoder runs once per clip in every mode, so it bounds what any decoder speed-up can give) and the decoder-only
+ratios with the encoder's median time taken off each mode. ``--draft-lengths``: acceptance and hf_csv's tokens/s
+with a constant draft length k (the assistant's ``num_assistant_tokens``, no confidence stop), one pass over the
+clips each. ``--pipeline``: ``pipeline("automatic-speech-recognition", chunk_length_s=30)`` on a recording of more
+than 60 s (the held-out clips, repeated) with ``num_beams=1`` (the pipeline's default is 5 beams), the three modes
+interleaved over ``--runs``, identical texts required. Also: the step cost ratio c of one cached decoder step
+(assistant over target, full heads) and the greedy ceiling max_k (1 - a^(k+1)) / ((1 - a) (k c + 1)) (Leviathan et
+al. 2023, eq. 1, the verify costed as one target step).
 """
 from __future__ import annotations
 
@@ -32,32 +44,52 @@ import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
 from hf_csv.candidate import quantized_assistant, truncated_assistant  # noqa: E402
 
-SPEECH = ROOT.parent / "shared" / "models" / "speech"
+import _speech  # noqa: E402
+
+
+def _wer(ref: str, hyp: str) -> float:
+    r, h = _speech.norm(ref).split(), _speech.norm(hyp).split()
+    d = list(range(len(h) + 1))
+    for i, rw in enumerate(r, 1):
+        prev, d[0] = d[0], i
+        for j, hw in enumerate(h, 1):
+            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (rw != hw))
+    return d[len(h)] / max(1, len(r))
 
 
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--assistant", choices=("quantized", "truncated"), default="quantized")
+    ap.add_argument("--assistant", default="quantized", help="a checkpoint folder, 'quantized' or 'truncated'")
     ap.add_argument("--layers", type=int, default=2, help="--assistant truncated: decoder layers kept")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clips", default="zoo,heldout", help="comma-separated: zoo, heldout")
+    ap.add_argument("--draft-lengths", type=int, nargs="*", default=[])
+    ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from scipy.io import wavfile
-    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor, WhisperForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()
     proc = AutoProcessor.from_pretrained(a.model)
     m = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(a.model, dtype=torch.float32).eval())
-    draft = quantized_assistant(m) if a.assistant == "quantized" else truncated_assistant(m, a.layers)
-    clips = sorted(p for p in SPEECH.glob("en_*.wav"))
-    feats = []
-    for p in clips:
-        sr, x = wavfile.read(p)
-        feats.append(proc(x.astype("float32") / 32768.0, sampling_rate=sr, return_tensors="pt").input_features)
-    kw = dict(num_beams=1, do_sample=False, max_new_tokens=96)
+    if a.assistant == "quantized":
+        draft = quantized_assistant(m)
+    elif a.assistant == "truncated":
+        draft = truncated_assistant(m, a.layers)
+    else:
+        draft = WhisperForCausalLM.from_pretrained(a.assistant, dtype=torch.float32).eval()
+    clips = []
+    for part in a.clips.split(","):
+        clips += {"zoo": _speech.zoo_clips, "heldout": _speech.heldout_clips}[part.strip()]()
+    feats = [proc(x, sampling_rate=16000, return_tensors="pt").input_features for _, x, _ in clips]
+    kw = dict(num_beams=1, do_sample=False, max_new_tokens=128)
+    if getattr(m.generation_config, "is_multilingual", False):
+        kw.update(language="en", task="transcribe")
     modes = {
         "plain": lambda f: m.generate(f, **kw),
         "assisted_stock": lambda f: m.generate(f, assistant_model=draft, **kw),
@@ -79,10 +111,12 @@ def main(argv=None) -> int:
 
     AssistedCandidateGenerator.update_candidate_strategy = update
     tps = {k: [] for k in modes}
-    identical, drafted, accepted, target_calls = True, 0, 0, 0
+    secs = {k: [] for k in modes}
+    identical, drafted, accepted, target_calls, texts = True, 0, 0, 0, []
+    enc_t = []
     for run in range(a.runs):
         tot = {k: [0.0, 0] for k in modes}
-        for f in feats:
+        for (name, _, ref), f in zip(clips, feats):
             outs = {}
             for k, fn in modes.items():
                 t0 = time.perf_counter()
@@ -97,33 +131,95 @@ def main(argv=None) -> int:
                 drafted += sum(c for c, _ in counts)
                 accepted += sum(n for _, n in counts)
                 target_calls += len(counts)
+                hyp = proc.batch_decode(outs["plain"], skip_special_tokens=True)[0].strip()
+                texts.append({"clip": name, "text": hyp, "wer": round(_wer(ref, hyp), 3)})
+                t0 = time.perf_counter()
+                m.get_encoder()(f)
+                enc_t.append(time.perf_counter() - t0)
         for k in modes:
             tps[k].append(tot[k][1] / tot[k][0])
-    AssistedCandidateGenerator.update_candidate_strategy = orig_update
+            secs[k].append(tot[k][0])
     med = {k: statistics.median(v) for k, v in tps.items()}
+    med_s = {k: statistics.median(v) for k, v in secs.items()}
+    enc_s = sum(enc_t)  # the encoder's time over all clips (one pass each, run 0)
+    by_k = {}
+    for k_len in a.draft_lengths:
+        saved = (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule,
+                 draft.generation_config.assistant_confidence_threshold)
+        draft.generation_config.num_assistant_tokens = k_len
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        counts.clear()
+        t_tot, n_tot = 0.0, 0
+        for f in feats:
+            t0 = time.perf_counter()
+            out = modes["assisted_csv"](f)
+            t_tot += time.perf_counter() - t0
+            n_tot += out.shape[1]
+        d_k, a_k = sum(c for c, _ in counts), sum(n for _, n in counts)
+        by_k[k_len] = {"acceptance": a_k / max(1, d_k), "drafted": d_k, "target_calls": len(counts),
+                       "tokens_per_target_call": (a_k + len(counts)) / max(1, len(counts)),
+                       "tok_s_csv_assisted": n_tot / t_tot, "vs_plain_median": (n_tot / t_tot) / med["plain"]}
+        (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule,
+         draft.generation_config.assistant_confidence_threshold) = saved
+    AssistedCandidateGenerator.update_candidate_strategy = orig_update
     c_ratio = _step_cost_ratio(m, draft, feats[0], a.runs)
     acc = accepted / max(1, drafted)
     ceiling = max(((1 - acc ** (k + 1)) / ((1 - acc) * (k * c_ratio + 1)) if acc < 1 else (k + 1) / (k * c_ratio + 1))
                   for k in range(1, 33))
+    pipe_rep = _pipeline(m, proc, draft, kw, a.runs) if a.pipeline else None
     from _load import machine_load
 
     rep = {"command": " ".join(["python", *sys.argv]), "model": Path(a.model).name, "assistant": a.assistant,
-           "assistant_layers": a.layers if a.assistant == "truncated" else None, "threads": a.threads,
-           "machine_after": machine_load(),
-           "clips": [p.name for p in clips], "identical_tokens": bool(identical), "identical": bool(identical),
+           "assistant_layers": draft.config.decoder_layers, "threads": a.threads,
+           "machine_after": machine_load(), "generate_kwargs": {k: v for k, v in kw.items()},
+           "clips": [c[0] for c in clips], "identical_tokens": bool(identical), "identical": bool(identical),
+           "transcripts": texts, "mean_wer": statistics.mean(t["wer"] for t in texts),
            "acceptance": acc, "draft_acceptance_rate": acc, "drafted_tokens": drafted,
            "target_calls": target_calls, "tokens_per_s_median": med, "tokens_per_s_runs": tps,
            "tok_s_plain": med["plain"], "tok_s_stock_assisted": med["assisted_stock"],
            "tok_s_csv_assisted": med["assisted_csv"],
            "speedup_vs_plain": med["assisted_csv"] / med["plain"],
+           "speedup_vs_stock_assisted": med["assisted_csv"] / med["assisted_stock"],
            "stock_assisted_vs_plain": med["assisted_stock"] / med["plain"],
            "assisted_speedup_csv_vs_stock": med["assisted_csv"] / med["assisted_stock"],
            "assisted_csv_vs_plain": med["assisted_csv"] / med["plain"],
+           "seconds_median": med_s, "encoder_seconds": enc_s, "encoder_share_of_plain": enc_s / med_s["plain"],
+           "decoder_only_speedup_vs_plain": (med_s["plain"] - enc_s) / (med_s["assisted_csv"] - enc_s),
+           "decoder_only_speedup_vs_stock_assisted": (med_s["assisted_stock"] - enc_s) / (med_s["assisted_csv"] - enc_s),
+           "by_draft_length": by_k, "pipeline": pipe_rep,
            "step_cost_ratio": c_ratio, "ceiling_greedy_assisted_vs_plain": ceiling}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rep, indent=2))
-    print(json.dumps(rep, indent=2))
+    print(json.dumps({k: v for k, v in rep.items() if k not in ("tokens_per_s_runs", "transcripts")}, indent=2))
     return 0
+
+
+@torch.no_grad()
+def _pipeline(m, proc, draft, kw, runs: int) -> dict:
+    """The ASR pipeline (chunk_length_s=30) on a recording of more than 60 s: the three modes, interleaved."""
+    from transformers import pipeline
+
+    audio = _speech.long_recording(_speech.heldout_clips(), 65.0)
+    pipe = pipeline("automatic-speech-recognition", model=m, tokenizer=proc.tokenizer,
+                    feature_extractor=proc.feature_extractor, chunk_length_s=30, device="cpu")
+    gk = {k: v for k, v in kw.items() if k != "max_new_tokens"}
+    modes = {"plain": gk, "assisted_stock": dict(gk, assistant_model=draft),
+             "assisted_csv": dict(gk, assistant_model=draft, csv_config=CSVConfig())}
+    times = {k: [] for k in modes}
+    texts = {}
+    for run in range(runs + 1):  # the first run warms up
+        for k, g in modes.items():
+            t0 = time.perf_counter()
+            texts[k] = pipe({"raw": audio, "sampling_rate": 16000}, generate_kwargs=dict(g))["text"]
+            if run:
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"audio_seconds": len(audio) / 16000, "identical": texts["plain"] == texts["assisted_stock"] == texts["assisted_csv"],
+            "seconds_median": med, "seconds_runs": times, "words": len(texts["plain"].split()),
+            "speedup_vs_plain": med["plain"] / med["assisted_csv"],
+            "speedup_vs_stock_assisted": med["assisted_stock"] / med["assisted_csv"],
+            "stock_assisted_vs_plain": med["plain"] / med["assisted_stock"], "text_head": texts["plain"][:200]}
 
 
 @torch.no_grad()
