@@ -6,9 +6,11 @@
 
 What it does, in order (each stage prints its time):
 
-1. **Text.** Sentences from a template grammar written here and, where ``$HF_CSV_MODELS/smollm2-135m`` exists,
-   sentences sampled from it (the model zoo's prose prompts, temperature 0.9). Sentences of the evaluation clips
-   (``scripts/_speech.py``: the held-out clips and ``../shared/models/speech``) are dropped.
+1. **Text**, three sources drawn with equal odds per sentence: a template grammar written here; sentences sampled
+   from ``$HF_CSV_MODELS/smollm2-135m`` where it exists (the model zoo's prose prompts, temperature 0.9, for
+   ``--lm-seconds``); lists of 4-12 common words from Whisper's vocabulary (text no language model predicts, so the
+   draft must read the audio). Sentences of the evaluation clips (``scripts/_speech.py``: the held-out clips and
+   ``../shared/models/speech``) are dropped.
 2. **Speech.** espeak-ng + sox: each training clip is 1 to 6 sentences read by one of the *training* voices,
    speeds and pitches (``_speech.TRAIN_*``; the held-out voices and speeds are never used), 2 to 28 s.
 3. **Encoder outputs** of whisper-base, computed once (fp32, kept in fp16).
@@ -17,7 +19,7 @@ What it does, in order (each stage prints its time):
 5. **The draft.** A ``WhisperForCausalLM`` with 2 decoder layers, initialised from whisper-base's first and last
    decoder layers, its token and position embeddings, final layer norm and (tied) head. Trained by knowledge
    distillation: cross-entropy on the greedy tokens plus the cross-entropy against the teacher's top-16
-   distribution (renormalised). The embeddings, the head and the cross-attention key/value projections stay frozen
+   distribution (renormalised), dropout 0.1 in the layers. The embeddings, the head and the cross-attention key/value projections stay frozen
    (they are the target's own, so the encoder's keys and values need no gradient), everything else trains.
 6. **Curve.** Every ``--eval-every`` steps: the draft's greedy agreement with whisper-base on the held-out clips
    (teacher-forced on whisper-base's own greedy transcripts: the fraction of positions where the draft's argmax is
@@ -100,6 +102,18 @@ def template_sentences(n: int, rng: random.Random) -> list:
     return out
 
 
+def word_sentences(n: int, rng: random.Random, tokenizer) -> list:
+    """n lists of 4-12 common words (whole-word lower-case tokens of Whisper's vocabulary among its first 12,000
+    ids): text no language model predicts, so the draft must read the audio through its cross-attention."""
+    words = sorted(w[1:] for w, i in tokenizer.get_vocab().items()
+                   if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower() and len(w) >= 4 and i < 12000)
+    out = []
+    for _ in range(n):
+        s = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        out.append(s[0].upper() + s[1:] + ".")
+    return out
+
+
 def lm_sentences(max_seconds: float, rng: random.Random, threads: int) -> list:
     """Sentences sampled from SmolLM2 (the model zoo), continuing its prose prompts, for at most ``max_seconds``."""
     path = MODELS / "smollm2-135m"
@@ -117,11 +131,11 @@ def lm_sentences(max_seconds: float, rng: random.Random, threads: int) -> list:
         tok.pad_token = tok.eos_token
     out, t0, g = [], time.perf_counter(), torch.Generator().manual_seed(rng.randint(0, 2**31))
     while time.perf_counter() - t0 < max_seconds:
-        batch = [rng.choice(prompts) for _ in range(16)]
+        batch = [rng.choice(prompts) for _ in range(32)]
         enc = tok(batch, return_tensors="pt", padding=True)
         torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
         with torch.no_grad():
-            ids = lm.generate(**enc, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=80,
+            ids = lm.generate(**enc, do_sample=True, temperature=0.9, top_p=0.95, max_new_tokens=64,
                               pad_token_id=tok.pad_token_id)
         for text in tok.batch_decode(ids[:, enc.input_ids.shape[1]:], skip_special_tokens=True):
             for s in text.replace("\n", " ").split(". "):
@@ -134,12 +148,14 @@ def lm_sentences(max_seconds: float, rng: random.Random, threads: int) -> list:
 
 
 # --- 2.-4. speech, encoder outputs, pseudo-labels ------------------------------------------------------------------
-def make_clips(sentences: list, n: int, rng: random.Random, workers: int = 2) -> list:
-    """[(samples, voice, wpm, pitch, text)] for n training clips of 1-6 sentences each (at most 28 s)."""
+def make_clips(sources: list, n: int, rng: random.Random, workers: int = 2) -> list:
+    """[(samples, voice, wpm, pitch, text)] for n training clips of 1-6 sentences each (at most 28 s), each sentence
+    from one of ``sources`` (lists of sentences; an empty one is skipped) with equal odds, in duration order."""
+    sources = [src for src in sources if src]
     specs = []
     for _ in range(n):
         k = rng.randint(1, 6)
-        specs.append((" ".join(rng.choice(sentences) for _ in range(k)),) + _speech.train_voice(rng))
+        specs.append((" ".join(rng.choice(rng.choice(sources)) for _ in range(k)),) + _speech.train_voice(rng))
 
     def one(spec):
         text, voice, wpm, pitch = spec
@@ -150,7 +166,8 @@ def make_clips(sentences: list, n: int, rng: random.Random, workers: int = 2) ->
         return a, voice, wpm, pitch, text
 
     with ThreadPoolExecutor(workers) as ex:
-        return list(ex.map(one, specs))
+        clips = list(ex.map(one, specs))
+    return sorted(clips, key=lambda c: len(c[0]))  # batches of similar length decode with little padding
 
 
 @torch.no_grad()
@@ -210,7 +227,7 @@ def teacher_topk(model, enc: torch.Tensor, seqs: list, batch: int = 16) -> list:
 
 
 # --- 5. the draft ----------------------------------------------------------------------------------------------------
-def init_draft(model, layers=(0, -1)):
+def init_draft(model, layers=(0, -1), dropout: float = 0.1):
     """A 2-layer ``WhisperForCausalLM`` from whisper-base's decoder layers ``layers``, embeddings, norm and head."""
     from transformers import WhisperForCausalLM
 
@@ -218,6 +235,7 @@ def init_draft(model, layers=(0, -1)):
     cfg.decoder_layers = len(layers)
     cfg.is_encoder_decoder = False
     cfg.architectures = ["WhisperForCausalLM"]
+    cfg.dropout = dropout  # (active in training only; the saved config gets the target's back)
     draft = WhisperForCausalLM(cfg)
     src, dst = model.model.decoder, draft.model.decoder
     dst.embed_tokens.load_state_dict(src.embed_tokens.state_dict())
@@ -316,7 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=MODELS / "whisper-base")
     ap.add_argument("--out", type=Path, default=MODELS / "whisper-base-draft")
     ap.add_argument("--clips", type=int, default=360, help="training clips to synthesize")
-    ap.add_argument("--lm-seconds", type=float, default=60.0, help="time for sampling sentences from SmolLM2")
+    ap.add_argument("--lm-seconds", type=float, default=150.0, help="time for sampling sentences from SmolLM2")
     ap.add_argument("--train-minutes", type=float, default=22.0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -342,19 +360,23 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     excluded = _speech.excluded_texts()
-    lm = lm_sentences(a.lm_seconds, rng, a.threads)
-    sentences = [s for s in dict.fromkeys(template_sentences(3000, rng) + lm) if _speech.norm(s) not in excluded]
+    proc = AutoProcessor.from_pretrained(a.model)
+    keep = lambda xs: [x for x in dict.fromkeys(xs) if _speech.norm(x) not in excluded]  # noqa: E731
+    lm = keep(lm_sentences(a.lm_seconds, rng, a.threads))
+    grammar = keep(template_sentences(3000, rng))
+    words = keep(word_sentences(3000, rng, proc.tokenizer))
+    sentences = grammar + lm + words
     stage("text", t0)
-    print(f"  {len(sentences)} distinct sentences ({len(lm)} sampled from SmolLM2)")
+    print(f"  {len(sentences)} distinct sentences: {len(grammar)} from the grammar, {len(lm)} sampled from SmolLM2, "
+          f"{len(words)} word lists")
 
     t0 = time.perf_counter()
-    train = make_clips(sentences, a.clips, rng)
+    train = make_clips([grammar, lm, words], a.clips, rng)
     stage("speech", t0)
     secs = sum(len(c[0]) for c in train) / 16000
     print(f"  {len(train)} clips, {secs / 60:.1f} min of speech")
 
     t0 = time.perf_counter()
-    proc = AutoProcessor.from_pretrained(a.model)
     model = WhisperForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
     evals = _speech.zoo_clips() + _speech.heldout_clips()
     enc = encode(model, proc, [c[0] for c in train])
@@ -373,6 +395,7 @@ def main(argv=None) -> int:
     print(f"  {n_tok} transcript tokens (eos included) in {len(seqs)} clips")
 
     draft = init_draft(model)
+    model_dropout = model.config.dropout
     del model
     t0 = time.perf_counter()
     step, curve = train_loop(draft, enc, seqs, tk, a.train_minutes * 60, a.batch, a.lr, a.eval_every, rng,
@@ -381,6 +404,7 @@ def main(argv=None) -> int:
 
     for p in draft.parameters():
         p.requires_grad = True
+    draft.config.dropout = model_dropout
     a.out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(a.out)
     proc.save_pretrained(a.out)
