@@ -46,8 +46,9 @@ def synth(text: str, voice: str, wpm: int, pitch: int = 50) -> np.ndarray:
     """One utterance as 16 kHz mono float32 samples (espeak-ng, then sox: resample, normalise, pad)."""
     with tempfile.TemporaryDirectory() as tmp:
         raw, out = Path(tmp) / "raw.wav", Path(tmp) / "out.wav"
-        subprocess.run(["espeak-ng", "-v", voice, "-s", str(int(wpm)), "-p", str(int(pitch)), "-w", str(raw), text],
-                       check=True, capture_output=True)
+        # the text on stdin: a sentence that starts with "-" would read as an option
+        subprocess.run(["espeak-ng", "-v", voice, "-s", str(int(wpm)), "-p", str(int(pitch)), "-w", str(raw), "--stdin"],
+                       input=text.encode(), check=True, capture_output=True)
         subprocess.run(["sox", "-D", str(raw), "-r", "16000", "-c", "1", "-b", "16", str(out), "norm", "-1",
                         "pad", "0.25", "0.25"], check=True, capture_output=True)
         from scipy.io import wavfile

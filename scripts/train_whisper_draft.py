@@ -159,14 +159,18 @@ def make_clips(sources: list, n: int, rng: random.Random, workers: int = 2) -> l
 
     def one(spec):
         text, voice, wpm, pitch = spec
-        a = _speech.synth(text, voice, wpm, pitch)
+        try:
+            a = _speech.synth(text, voice, wpm, pitch)
+        except Exception as e:  # a text espeak-ng or sox cannot read: one clip fewer
+            print(f"  skipped a clip ({voice}): {e}", flush=True)
+            return None
         while len(a) > 28 * 16000:  # Whisper reads 30 s: drop the last sentence until it fits
             text = text.rsplit(". ", 1)[0] + "." if ". " in text else text[: len(text) // 2]
             a = _speech.synth(text, voice, wpm, pitch)
         return a, voice, wpm, pitch, text
 
     with ThreadPoolExecutor(workers) as ex:
-        clips = list(ex.map(one, specs))
+        clips = [c for c in ex.map(one, specs) if c is not None]
     return sorted(clips, key=lambda c: len(c[0]))  # batches of similar length decode with little padding
 
 
