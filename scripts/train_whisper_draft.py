@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Train a distil-whisper-shaped draft for whisper-base on this machine's CPU (issue 40; docs/speculative.md §6).
+"""Train a distil-whisper-shaped draft for whisper-base on this machine's CPU (issue 40; docs/speculative.md, "A trained Whisper draft").
 
-    python scripts/train_whisper_draft.py                      # the default run: about 40 min on 2 cores
+    python scripts/train_whisper_draft.py                      # the default run: 38 min on 2 cores (docs/benchmarks.md §10.1)
     python scripts/train_whisper_draft.py --clips 24 --train-minutes 1 --out /tmp/draft   # a smoke run
 
 What it does, in order (each stage prints its time):
