@@ -35,6 +35,7 @@ def test_draft_init_distil_save_and_assist(tmp_path):
     assert any("encoder_attn.k_proj" in n for n in frozen) and "model.decoder.embed_tokens.weight" in frozen
     assert not any("self_attn" in n or "fc1" in n for n in frozen)
 
+    torch.manual_seed(0)  # (dropout)
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(6, 80, 3000, generator=g)
     with torch.no_grad():
@@ -44,9 +45,9 @@ def test_draft_init_distil_save_and_assist(tmp_path):
     seqs = [torch.cat([torch.tensor([1, 5, 6, 7]), torch.randint(3, 300, (10,), generator=g)]) for _ in range(6)]
     tk = T.teacher_topk(m, enc, seqs)
     before = T.agreement(draft, enc, seqs, tk)
-    steps, curve = T.train_loop(draft, enc, seqs, tk, seconds=120, batch=3, lr=3e-3, eval_every=40,
-                                rng=random.Random(0), evaluate=lambda d: T.agreement(d, enc, seqs, tk), max_steps=80)
-    assert steps == 80 and curve[0]["agreement"] == before
+    steps, curve = T.train_loop(draft, enc, seqs, tk, seconds=120, batch=3, lr=3e-3, eval_every=80,
+                                rng=random.Random(0), evaluate=lambda d: T.agreement(d, enc, seqs, tk), max_steps=240)
+    assert steps == 240 and curve[0]["agreement"] == before
     assert before < 0.2 and curve[-1]["agreement"] > 0.5, curve
     assert curve[-1]["train_ce"] < curve[1]["train_ce"], curve
 
