@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "models" / "speech"
+from _audio import SPEECH
 
 TRAIN_VOICES = ("en-us", "en-gb", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-us-nyc")
 TRAIN_VARIANTS = ("", "+m1", "+m2", "+m3", "+m4", "+m5", "+m7", "+f1", "+f2", "+f3", "+f5")
@@ -72,17 +72,11 @@ def zoo_clips() -> list:
     """[(name, samples, text)]: the English clips of ../shared/models/speech."""
     from scipy.io import wavfile
 
-    texts = {}
-    tsv = SPEECH / "transcripts.tsv"
-    if tsv.is_file():
-        for line in tsv.read_text().splitlines()[1:]:
-            f = line.split("\t")
-            texts[f[0]] = f[-1]
     out = []
-    for p in sorted(SPEECH.glob("en_*.wav")):
-        sr, a = wavfile.read(p)
-        assert sr == 16000, (p, sr)
-        out.append((p.stem, a.astype("float32") / 32768.0, texts.get(p.name, "")))
+    for name, _, text in sorted(zoo_texts()):  # (name order)
+        sr, a = wavfile.read(SPEECH / name)
+        assert sr == 16000, (name, sr)
+        out.append((Path(name).stem, a.astype("float32") / 32768.0, text))
     return out
 
 
@@ -92,6 +86,7 @@ def excluded_texts() -> set:
 
 
 def zoo_texts() -> list:
+    """[(file name, None, text)] of the English clips that ../shared/models/speech/transcripts.tsv lists."""
     tsv = SPEECH / "transcripts.tsv"
     if not tsv.is_file():
         return []
@@ -101,14 +96,3 @@ def zoo_texts() -> list:
 
 def norm(t: str) -> str:
     return " ".join("".join(c.lower() if c.isalnum() else " " for c in t).split())
-
-
-def long_recording(clips: list, min_seconds: float = 65.0, gap_s: float = 0.6) -> np.ndarray:
-    """The samples of ``clips`` ([(name, samples, text)]) one after another, repeated past ``min_seconds``."""
-    parts, total = [], 0
-    gap = np.zeros(int(16000 * gap_s), dtype="float32")
-    while total <= min_seconds * 16000:
-        for _, a, _ in clips:
-            parts += [a, gap]
-            total += len(a) + len(gap)
-    return np.concatenate(parts)

@@ -35,7 +35,6 @@ language="en")``; hf_csv certifies its head too (``csv_config=CSVConfig()``).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -49,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _speech  # noqa: E402
@@ -232,23 +232,17 @@ def teacher_topk(model, enc: torch.Tensor, seqs: list, batch: int = 16) -> list:
 
 # --- 5. the draft ----------------------------------------------------------------------------------------------------
 def init_draft(model, layers=(0, -1), dropout: float = 0.1):
-    """A 2-layer ``WhisperForCausalLM`` from whisper-base's decoder layers ``layers``, embeddings, norm and head."""
-    from transformers import WhisperForCausalLM
+    """A ``WhisperForCausalLM`` with whisper-base's decoder layers ``layers`` (its embeddings, norm and tied head:
+    ``hf_csv.candidate.truncated_assistant`` builds the class, config and weights), dropout ``dropout`` in the decoder
+    (active in training only; the config keeps the target's), embeddings, head and cross-attention keys/values frozen."""
+    from hf_csv.candidate import truncated_assistant
 
-    cfg = copy.deepcopy(model.config)
-    cfg.decoder_layers = len(layers)
-    cfg.is_encoder_decoder = False
-    cfg.architectures = ["WhisperForCausalLM"]
-    cfg.dropout = dropout  # (active in training only; the saved config gets the target's back)
-    draft = WhisperForCausalLM(cfg)
+    draft = truncated_assistant(model, len(layers))
     src, dst = model.model.decoder, draft.model.decoder
-    dst.embed_tokens.load_state_dict(src.embed_tokens.state_dict())
-    dst.embed_positions.load_state_dict(src.embed_positions.state_dict())
-    dst.layer_norm.load_state_dict(src.layer_norm.state_dict())
     for k, i in enumerate(layers):
         dst.layers[k].load_state_dict(src.layers[i].state_dict())
-    draft.tie_weights()
-    draft.generation_config = copy.deepcopy(model.generation_config)
+    for mod in (dst, *dst.layers):  # (WhisperDecoder and its layers read config.dropout once, at construction)
+        mod.dropout = dropout
     for name, p in draft.named_parameters():
         p.requires_grad = not ("embed" in name or "proj_out" in name or "encoder_attn.k_proj" in name
                                or "encoder_attn.v_proj" in name)
@@ -399,7 +393,6 @@ def main(argv=None) -> int:
     print(f"  {n_tok} transcript tokens (eos included) in {len(seqs)} clips")
 
     draft = init_draft(model)
-    model_dropout = model.config.dropout
     del model
     t0 = time.perf_counter()
     step, curve = train_loop(draft, enc, seqs, tk, a.train_minutes * 60, a.batch, a.lr, a.eval_every, rng,
@@ -408,7 +401,6 @@ def main(argv=None) -> int:
 
     for p in draft.parameters():
         p.requires_grad = True
-    draft.config.dropout = model_dropout
     a.out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(a.out)
     proc.save_pretrained(a.out)

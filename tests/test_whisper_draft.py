@@ -15,7 +15,25 @@ from hf_csv import CSVConfig
 from test_generate_extra import _tiny_whisper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import _speech  # noqa: E402
 import train_whisper_draft as T  # noqa: E402
+
+
+def test_heldout_clips_use_voices_or_speeds_no_training_clip_uses():
+    """Each evaluation clip of scripts/_speech.py has a held-out voice, variant or speed, and the training draw
+    (``train_voice``) can produce none of them."""
+    lo, hi = _speech.TRAIN_SPEEDS
+    assert not set(_speech.HELDOUT_VOICES) & set(_speech.TRAIN_VOICES)
+    assert not set(_speech.HELDOUT_VARIANTS) & set(_speech.TRAIN_VARIANTS)
+    for name, voice, wpm, _ in _speech.HELDOUT:
+        base, _, variant = voice.partition("+")
+        assert base in _speech.HELDOUT_VOICES or "+" + variant in _speech.HELDOUT_VARIANTS or not lo <= wpm <= hi, name
+    rng = random.Random(0)
+    for _ in range(2000):
+        voice, wpm, _ = _speech.train_voice(rng)
+        base, _, variant = voice.partition("+")
+        assert base in _speech.TRAIN_VOICES and (not variant or "+" + variant in _speech.TRAIN_VARIANTS)
+        assert lo <= wpm <= hi
 
 
 @pytest.mark.slow
