@@ -36,6 +36,7 @@ from torch import nn
 
 from .errors import CSVError
 from .head import CSVSession, active_session
+from .plan import ExactBeam, Full
 from .scope import instance_override
 
 __all__ = ["BeamUncertified", "beam_decisions"]
@@ -110,8 +111,8 @@ def _stats(sess: CSVSession) -> dict:
 def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
     def _get_top_k_continuations(*args: Any, **kw: Any):
         sess = active_session(model)
-        if sess is None or sess.mode != "beam_exact":
-            if sess is not None and sess.reports.get("beam") is not None and sess.mode == "full":
+        if sess is None or not isinstance(sess.plan, ExactBeam):
+            if sess is not None and sess.reports.get("beam") is not None and isinstance(sess.plan, Full):
                 _stats(sess)["full_steps"] += 1
             return orig(*args, **kw)
         acc = kw["accumulated_log_probs"]
@@ -153,7 +154,7 @@ def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
 def _running_beams(model: nn.Module, orig: Callable) -> Callable:
     def _get_running_beams_for_next_iteration(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
+        st = None if sess is None or not isinstance(sess.plan, ExactBeam) else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out
@@ -175,7 +176,7 @@ def _running_beams(model: nn.Module, orig: Callable) -> Callable:
 def _finished_beams(model: nn.Module, orig: Callable) -> Callable:
     def _update_finished_beams(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
+        st = None if sess is None or not isinstance(sess.plan, ExactBeam) else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out
@@ -207,7 +208,7 @@ def _finished_beams(model: nn.Module, orig: Callable) -> Callable:
 def _early_stop(model: nn.Module, orig: Callable) -> Callable:
     def _check_early_stop_heuristic(*args: Any, **kw: Any):
         sess = active_session(model)
-        st = None if sess is None or sess.mode != "beam_exact" else sess.beam.state
+        st = None if sess is None or not isinstance(sess.plan, ExactBeam) else sess.beam.state
         out = orig(*args, **kw)
         if st is None:
             return out

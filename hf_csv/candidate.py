@@ -36,6 +36,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .head import CSVSession, active_session, find_head
+from .plan import Bounded
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .scope import certified, instance_override, new_session
 
@@ -181,7 +182,7 @@ def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
 
     def get_candidates(*args: Any, **kwargs: Any):
         ids, logits = inner(*args, **kwargs)
-        if logits is None and sess.mode == "spec":
+        if logits is None and isinstance(sess.plan, Bounded):
             sess.spec_full_next = True
         if logits is None and sess.gumbel is not None:
             sess.assist.no_drafts = True  # stock samples from the target's row: the keyed draw makes it
@@ -213,7 +214,7 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
                                                 if not isinstance(p, (CSVLogitsProcessor, GumbelCoupledDraw))])
         if type(gen) is not AssistedCandidateGenerator:
             sess.note(f"{type(gen).__name__} candidates: the draft head stays stock")
-            if sess.mode == "spec":  # its candidates may come without the draft logits the certified verify needs
+            if isinstance(sess.plan, Bounded):  # its candidates may come without the draft logits the certified verify needs
                 sess.set_full(f"{type(gen).__name__} candidates: the target's certified verify needs an "
                               "AssistedCandidateGenerator's draft logits")
             return gen

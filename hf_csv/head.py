@@ -33,6 +33,7 @@ from hf_csv_kernels.threads import rows_bucket
 from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
+from .plan import FULL, Bounded, Full, Plan, Sample
 from .posthead import PostHead, check_output
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,7 @@ _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-# spec mode: S holds all but about this fraction of a row's mass (upper bound), so the verify's interval for
-# the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only: 1e-2 sent flat
-# rows of Qwen-1.5B over the budget (full head), 5e-2 keeps |S| <= ~1,700 there (measured, docs/benchmarks.md §3)
-SPEC_EPS = 5e-2
-# beam_exact mode: S holds all but about this fraction of a row's mass (upper bounds), so the normalizer's interval is
-# ~1e-3 wide. Measured on whisper-base (docs/benchmarks.md §9.9): 1e-3 restarted no call, 1e-2 and 5e-2 restarted some
-# and still sent most beam rows over the budget (the screen bounds a row's tail mass too loosely to do better)
-BEAM_EPS = 1e-3
+
 
 
 @dataclass
@@ -144,15 +138,7 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
-    mode: str = "full"  # full | topk | threshold | beam | beam_exact | sample | epsilon | spec | nucleus (policy.decide_mode)
-    k: int = 1
-    # topk mode: the K the head certifies, when larger than ``k`` (the warper's k, which the check uses). Lowering
-    # processors before the top-k warper (repetition penalty) can push stock's k-th score below the bound on the
-    # uncomputed tokens; a wider certified set keeps that rare (speed only: the check decides correctness)
-    k_head: int = 0
-    temperature: float = 1.0
-    warps: list = field(default_factory=list)  # sample mode: ("temperature", T) / ("top_k", k) in list order
-    verify: bool = False  # a CSVLogitsProcessor must check the certificate after other processors
+    plan: Plan = FULL  # the call's certificate (hf_csv.plan), chosen by hf_csv.policy.decide_mode
     reasons: list = field(default_factory=list)
     stats: CertStats = field(default_factory=CertStats)
     head_calls: int = 0
@@ -163,25 +149,13 @@ class CSVSession:
     last_out: Optional[torch.Tensor] = None  # what the head returned last (for the guard)
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
-    check_after: Any = None  # the processor the CSVLogitsProcessor check follows (None: the end of the list)
-    check_before: Any = None  # ... or precedes (threshold mode: the min-p warper)
-    min_p: float = 0.0  # threshold mode: the min-p warper's min_p
-    delta: float = 0.0  # threshold mode: the head computes every token within delta (raw logits) of the max
-    delta_rel: float = 0.0  # ... plus delta_rel·|max| (lowering processors may lower the top token)
-    draw_after: bool = False  # sample mode: the Gumbel draw happens in the CSVLogitsProcessor, after lowering ones
-    ts_proc: Any = None  # Whisper timestamps: the WhisperTimeStampLogitsProcessor the check runs right before
-    always: int = 0  # topk mode: the last `always` tokens are computed exactly on every row (the timestamp block)
-    top_p_proc: Any = None  # nucleus mode: the TopPLogitsWarper whose place the CSVLogitsProcessor takes
-    check_replaces: Any = None  # the processor the CSVLogitsProcessor replaces in the list (nucleus mode)
-    nucleus_eps: float = 0.05  # nucleus mode: the head's S leaves about this fraction of a row's mass outside
+    replaced: Any = None  # the processor whose place the CSVLogitsProcessor took in that list (Nucleus: top-p)
     last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
     spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use mode "spec"
     spec_pending: bool = False  # spec mode: a head call's bounds wait for the verify (hf_csv.verify)
     spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
-    fill_tail: bool = False  # greedy draft: give uncomputed tokens their estimated mass (see _fill_tail)
-    fill_est: bool = False  # sampled draft without a top-k: uncomputed tokens get the screen's estimate (see forward)
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
     # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
     # step (hf_csv.speed): (guard, key, certified, seconds in the head) or None
@@ -199,6 +173,16 @@ class CSVSession:
     gumbel: Any = None
     reports: dict = field(default_factory=dict)  # the summary's named reports (e.g. the draft head's stats), public
 
+    @property
+    def mode(self) -> str:
+        """The plan's name, for reports (``csv_stats["mode"]``); decisions read :attr:`plan`."""
+        return self.plan.name
+
+    @property
+    def verify(self) -> bool:
+        """Whether a CSVLogitsProcessor checks each step of this call after the processors."""
+        return self.plan.verify
+
     def note(self, reason: str, what: str = "") -> None:
         """Record a reason once per call and log it (transformers logging)."""
         if reason not in self.reasons:
@@ -207,8 +191,7 @@ class CSVSession:
 
     def set_full(self, reason: str) -> None:
         """Use the full head for the rest of this decoding call, and say why."""
-        self.mode = "full"
-        self.verify = False
+        self.plan = FULL
         self.whisper.record = False  # the kept rows are stock's: Whisper's own avg-logprob applies (hf_csv.whisper)
         self.note(reason, "full LM head for this call: ")
 
@@ -224,7 +207,7 @@ class CSVSession:
                  certified_fraction=self.stats.certified / total if total else 0.0)
         d.update(self.reports)
         full = total - self.stats.certified
-        if self.mode == "full":
+        if isinstance(self.plan, Full):
             d["summary"] = f"full head ({self.reasons[0] if self.reasons else 'declined'})"
             return d
         why = []
@@ -426,7 +409,8 @@ class CSVHead(nn.Module):
             sess.reports["processor_forwards"] = sess.reports.get("processor_forwards", 0) + 1
             return self.inner(hidden)
         sess.head_calls += 1
-        if sess.mode == "full" or hidden.numel() == 0 or (
+        plan = sess.plan
+        if isinstance(plan, Full) or hidden.numel() == 0 or (
                 sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
             # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
             # the processor could not find its row, so this call uses the full head)
@@ -436,7 +420,7 @@ class CSVHead(nn.Module):
             sess.spec_full_next = False
             return self._full(sess, hidden)
         keys = None
-        if sess.mode == "sample" and sess.gumbel is not None:
+        if isinstance(plan, Sample) and sess.gumbel is not None:
             # Gumbel-coupled draws: the noise of each row is that of the token index it predicts
             keys = _token_keys(sess, hidden)
             if keys is None:
@@ -465,58 +449,12 @@ class CSVHead(nn.Module):
                 _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
                 return out
             t0 = time.perf_counter()
-        mode = sess.mode
-        if mode == "beam_exact":
-            # S holds all but about BEAM_EPS of each row's mass (upper bounds): the normalizer's interval is then
-            # ~BEAM_EPS wide (hf_csv.processors.beam_logprob_box)
-            res = ch.spec(H, BEAM_EPS, out_dtype=sess.out_dtype)
-            out = res.logits
-        elif mode == "topk":
-            kw = {"always": sess.always} if sess.always else {}
-            if sess.whisper.record:
-                kw["with_upper"] = True
-            if sess.k_head > sess.k:  # a wider set where it fits the budget, else the warper's k (policy._lowered_k)
-                kw.update(k_min=sess.k)
-            res = ch.topk(H, max(sess.k, sess.k_head), out_dtype=sess.out_dtype, **kw)
-            out = res.logits
-            if sess.fill_tail and res.est is not None:
-                out = _fill_tail(out, res.est, res.mask)
-            elif sess.fill_est and res.est is not None:
-                # a sampled draft may sample from any law it returns (the verify reads the same scores as q); the
-                # screen's estimates outside S keep q's tail, which a -inf tail drops: without a top-k that tail
-                # holds target mass the verify could otherwise never accept, and the confidence stop reads it
-                out = torch.where(res.mask, out, res.est.to(out.dtype))
-        elif mode == "threshold":
-            res = ch.threshold(H, sess.delta, out_dtype=sess.out_dtype, rel=sess.delta_rel)
-            out = res.logits
-        elif mode in ("beam", "epsilon"):
-            eps = sess.config.beam_epsilon if mode == "beam" else sess.config.epsilon
-            res = ch.epsilon(H, eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
-            out = res.logits
-        elif mode == "nucleus":
-            res = ch.spec(H, sess.nucleus_eps, temperature=sess.temperature, out_dtype=sess.out_dtype)
-            out = res.logits
-        elif mode == "spec":
-            if sess.spec_pending:
-                # the bounds of the previous call were never read by hf_csv's verify: something other than
-                # it consumed -inf-padded logits; refuse rather than let a restricted row be sampled from
-                raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
-                               "please report this (generate without csv_config meanwhile)")
-            res = ch.spec(H, SPEC_EPS, temperature=sess.temperature, out_dtype=sess.out_dtype)
-            out = res.logits
-        elif mode == "sample":
-            post = None if sess.post is None or sess.post.identity else sess.post.apply
-            # (the drawn token's probability only for a draft: its confidence stop reads it)
-            kw = {} if keys is None else {"noise": sess.gumbel.rows(keys, ch.vocab_size, H.device),
-                                          "with_conf": sess.draft}
-            res = ch.sample(H, out_dtype=sess.out_dtype, post=post, warps=sess.warps, **kw)
-            if keys is not None and res.conf is not None and sess.draft:
-                # the assistant's confidence stop reads the drawn token's probability (hf_csv.candidate)
-                sess.assist.conf = dict(zip(keys, res.conf.tolist()))
-            # draw_after: exact logits on S; the CSVLogitsProcessor draws after the lowering processors
-            out = res.logits if sess.draw_after else _one_hot_logits(res.logits, res.tokens, sess.out_dtype)
-        else:  # pragma: no cover - decide_mode only sets the modes above
-            raise CSVError(f"unknown hf_csv mode {mode!r}")
+        if sess.spec_pending and isinstance(plan, Bounded):
+            # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
+            # -inf-padded logits; refuse rather than let a restricted row be sampled from
+            raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
+                           "please report this (generate without csv_config meanwhile)")
+        res, out = plan.head(ch, H, sess, keys)
         if sess.config.stats:
             sess.stats.merge(res.stats)
         out = out.view(*lead, out.shape[-1])
@@ -534,7 +472,7 @@ class CSVHead(nn.Module):
             sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
                                   mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
                                   noise=noise, cut=cut, shift=shift, upper=upper, slack=slack, acc=acc)
-            sess.spec_pending = mode == "spec"
+            sess.spec_pending = isinstance(plan, Bounded)
         if gkey is not None:
             _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
         return out
@@ -552,7 +490,7 @@ def _token_keys(sess: CSVSession, hidden: torch.Tensor) -> Optional[list]:
 
 def guard_key(sess: CSVSession, rows: int) -> tuple:
     """The speed guard's key of a head call of ``rows`` rows in this session (hf_csv.speed)."""
-    return (sess.mode, sess.always, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
+    return (*sess.plan.guard_tag, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
 
 
 def _guard_record(sess: CSVSession, guard: Any, gkey: tuple, certified: bool, seconds: float,
@@ -593,51 +531,6 @@ def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> N
         raise CSVError(f"hf_csv: {type(sess.model).__name__} returned logits that are not "
                        f"{sess.post.describe()!r} of its head's output; its post-head transform is not the one "
                        "hf_csv proved. Please report this; generate without csv_config meanwhile.")
-
-
-def _fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """Greedy drafting: raise the uncomputed tokens to one value c, chosen so that the tokens outside
-    S carry about the mass the screen *estimates* for them, Σ_{i∉S} exp(est_i).
-
-    Why: the assistant's confidence stop (``assistant_confidence_threshold``) reads
-    ``softmax(scores)`` at the drafted token; with -inf outside S that probability would be
-    inflated and drafts would run longer than stock's. With the fill it matches stock's up to the
-    screen's estimate error. The argmax is unchanged: c <= max_{i∉S} est_i <= max U_i < τ <= the
-    top exact logit, and c is kept 4 ulps (of the output dtype) below the top so rounding cannot
-    create a tie. (In-place ``clamp(min=c)``: tokens of S below c are raised too; they are not the
-    argmax, and the value only feeds the confidence estimate.) Greedy verification reads only the
-    target's logits, so tokens stay exact.
-    """
-    # tail mass = total - mass on S, from one logsumexp pass over est (S is tiny)
-    lse = torch.logsumexp(est, dim=1)
-    r, t = S.nonzero(as_tuple=True)
-    n_out = S.shape[1] - torch.bincount(r, minlength=S.shape[0])
-    on_s = torch.zeros_like(lse).index_add_(0, r, torch.exp(est[r, t] - lse[r]))
-    tail = torch.log((1 - on_s).clamp(min=0)) + lse  # -inf when S holds (numerically) all the mass
-    c = tail - torch.log(n_out.clamp(min=1).float())
-    top = out.float().amax(1)
-    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-6
-    c = torch.minimum(c, top - 4 * eps * top.abs().clamp(min=1.0))
-    c = torch.where((n_out > 0) & torch.isfinite(c), c, torch.full_like(c, float("-inf")))
-    return out.clamp_(min=c[:, None].to(out.dtype))
-
-
-def _one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Logits that make the stock multinomial sampler return ``tokens``: the drawn token keeps its
-    exact logit, every other token is -inf. Rows without a draw (tokens == -1, non-finite hidden
-    states) keep their full-head logits, which the stock sampler then samples from."""
-    N, V = logits.shape
-    out = torch.full((N, V), float("-inf"), dtype=dtype, device=logits.device)
-    ok = tokens >= 0
-    if bool(ok.all()):
-        r = torch.arange(N, device=logits.device)
-        out[r, tokens] = logits[r, tokens].to(dtype)
-    else:
-        r = ok.nonzero(as_tuple=True)[0]
-        out[r, tokens[r]] = logits[r, tokens[r]].to(dtype)
-        bad = (~ok).nonzero(as_tuple=True)[0]
-        out[bad] = logits[bad].to(dtype)
-    return out
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""Which certificate a ``generate`` call gets: the classification of processors and stopping
-criteria, and the mode decision (no patching here; :mod:`hf_csv.scope` calls it).
+"""Which certificate a ``generate`` call gets: :func:`decide_mode` returns its :mod:`hf_csv.plan` value from the
+generation config and the processors (classified by the tables in :mod:`hf_csv.plan`); no patching here
+(:mod:`hf_csv.scope` calls it).
 
 Everything that cannot be proven exact goes to the full head with a logged reason
 (docs/processors.md has the table). Approximation is reserved for ``CSVConfig(mode="epsilon")``.
@@ -7,120 +8,22 @@ Everything that cannot be proven exact goes to the full head with a logged reaso
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
 from .head import CSVSession, _tlog, guard_key
+from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Sample, Threshold,
+                   TopK, classify_processor, classify_stopping_criterion, masks_only)
 from .static import StaticTopK
-
-__all__ = ["classify_processor", "masks_only", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
-           "whisper_log_prob_reason", "decide_compiled"]
-
-# How each stock processor relates to the certificate (docs/processors.md has the table).
-#   order: the same increasing map on every token (commutes with any certificate)
-#   topk:  keeps the K largest (exact with a top-K certificate, K known)
-#   lower: lowers (or sets to constants) particular tokens; commutes with top-k after a check
-#   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
-#   timestamps: Whisper's timestamp rules and its logsumexp decision (greedy: checked right before it)
-#   full:  may raise uncomputed tokens or reads all logits: full head
-# the order-preserving processors whose effect on the sampling law the head's own draw (sample mode) reproduces:
-# temperature is one of its warps; InfNanRemove changes no finite score
-_LAW_ORDERS = frozenset({"TemperatureLogitsWarper", "InfNanRemoveLogitsProcessor"})
-
-_KIND = {
-    "TemperatureLogitsWarper": "order",
-    "InfNanRemoveLogitsProcessor": "order",
-    "TopKLogitsWarper": "topk",
-    "MinLengthLogitsProcessor": "lower",
-    "MinNewTokensLengthLogitsProcessor": "lower",
-    "NoRepeatNGramLogitsProcessor": "lower",
-    "EncoderNoRepeatNGramLogitsProcessor": "lower",
-    "NoBadWordsLogitsProcessor": "lower",
-    "PrefixConstrainedLogitsProcessor": "lower",
-    "ForcedBOSTokenLogitsProcessor": "lower",
-    "ForcedEOSTokenLogitsProcessor": "lower",
-    "SuppressTokensLogitsProcessor": "lower",
-    "SuppressTokensAtBeginLogitsProcessor": "lower",
-    "HammingDiversityLogitsProcessor": "lower",
-    "LogitNormalization": "norm",
-    "TopPLogitsWarper": "norm",
-    "TopHLogitsWarper": "norm",
-    "MinPLogitsWarper": "norm",
-    "TypicalLogitsWarper": "norm",
-    "EpsilonLogitsWarper": "norm",
-    "EtaLogitsWarper": "norm",
-    "EncoderRepetitionPenaltyLogitsProcessor": "full",
-    "ExponentialDecayLengthPenalty": "full",
-    "ClassifierFreeGuidanceLogitsProcessor": "full",
-    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "full",
-    "WatermarkLogitsProcessor": "full",
-    "SynthIDTextWatermarkLogitsProcessor": "full",
-    "WhisperTimeStampLogitsProcessor": "timestamps",
-    "WhisperNoSpeechDetection": "full",
-    "BarkEosPrioritizerLogitsProcessor": "full",
-    "AlternatingCodebooksLogitsProcessor": "full",
-}
-
-# "lower" processors that only mask: each token's output is its input unchanged or -inf, the masked set chosen from
-# input_ids (and the processor's settings) alone, never from the scores (transformers 4.57 and 5.20-5.23: torch.where /
-# masked_fill with -inf). A custom processor may declare ``csv_masks_only = True`` (a promise of exactly that).
-_MASKS_ONLY = frozenset({"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
-                         "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
-                         "NoRepeatNGramLogitsProcessor"})
-
-# Stock stopping criteria that never read ``scores`` (transformers 5.23): safe with any certificate.
-_SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
 # are certified (``_timestamp_plan``), and so is the temperature-fallback decision in greedy rounds (hf_csv.whisper).
 _WHISPER_LOGPROB_KEYS = ("return_token_timestamps",)
 
-
-def classify_processor(p: Any) -> str:
-    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``timestamps`` | ``full`` | ``csv`` for one logits processor.
-
-    Custom processors may declare ``csv_kind`` (one of the above) to opt in; unknown ones are
-    ``full`` (they might raise an uncomputed token).
-    """
-    kind = getattr(p, "csv_kind", None)
-    if kind in ("order", "topk", "lower", "norm", "full", "csv"):
-        return kind
-    name = type(p).__name__
-    if name == "RepetitionPenaltyLogitsProcessor":
-        # penalty >= 1 lowers the scores of seen tokens; < 1 raises them
-        return "lower" if float(getattr(p, "penalty", 1.0)) >= 1.0 else "full"
-    if name == "SequenceBiasLogitsProcessor":
-        bias = getattr(p, "sequence_bias", None) or {}
-        vals = bias.values() if isinstance(bias, dict) else [v for _, v in bias]
-        return "lower" if all(float(v) <= 0 for v in vals) else "full"
-    if name == "WhisperNoSpeechDetection":
-        # it returns the scores unchanged; what it reads (its own forward's logits, or the first step's scores) is
-        # given to it as stock computes it (hf_csv.processors.FullHeadDuring)
-        return "order" if not getattr(p, "is_scores_logprobs", False) else "full"
-    if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
-        return "full"  # a finite filter value leaves the filtered tokens some mass
-    return _KIND.get(name, "full")
-
-
-def masks_only(processors: Any) -> bool:
-    """Whether the composition of ``processors`` maps each token's score to itself or to −inf, the set fixed by the
-    inputs alone (so it is read off any one processed row): every one is a masking processor (``_MASKS_ONLY``, or
-    declares ``csv_masks_only = True``) or returns its input unchanged (``csv_identity``)."""
-    return all(getattr(p, "csv_identity", False) is True or getattr(p, "csv_masks_only", False) is True
-               or (type(p).__name__ in _MASKS_ONLY and classify_processor(p) == "lower") for p in processors)
-
-
-def classify_stopping_criterion(c: Any) -> str:
-    """``safe`` (never reads ``scores``) or ``full`` (may read them: the call uses the full head).
-
-    A custom criterion can declare ``csv_safe = True`` (a promise that it ignores ``scores``).
-    ``ConfidenceCriteria`` (assisted drafting) reads the drafted token's probability; the draft head
-    provides it (hf_csv.candidate), so it is safe only inside a draft session.
-    """
-    if getattr(c, "csv_safe", False) is True:
-        return "safe"
-    return "safe" if type(c).__name__ in _SAFE_CRITERIA else "full"
+__all__ = ["classify_processor", "masks_only", "classify_stopping_criterion", "decide_mode", "check_stopping_criteria",
+           "whisper_log_prob_reason", "decide_compiled"]
 
 
 def check_stopping_criteria(session: CSVSession, criteria: Any) -> None:
@@ -128,7 +31,7 @@ def check_stopping_criteria(session: CSVSession, criteria: Any) -> None:
     unsafe = [type(c).__name__ for c in criteria or ()
               if classify_stopping_criterion(c) == "full"
               and not (session.draft and type(c).__name__ == "ConfidenceCriteria")]
-    if unsafe and session.mode != "full":
+    if unsafe and not isinstance(session.plan, Full):
         session.set_full(f"stopping criteria that may read the scores: {unsafe} (declare csv_safe = True on a "
                          "custom criterion that ignores them)")
 
@@ -140,16 +43,6 @@ def whisper_log_prob_reason(*configs: Any, kwargs: Optional[dict] = None) -> Opt
         if any(v not in (None, False) for v in vals):
             return f"Whisper's {key} reads log-probabilities over the full vocabulary"
     return None
-
-
-# Processors token-identical beam search runs with (docs/certificates.md §3.10): each maps a token's score through a
-# non-decreasing function of that score alone (given the input ids) and never raises it, so hf_csv can run them on
-# the ends of an interval. Named here, not by kind: a custom "lower" processor promises less than that.
-_BEAM_PROCESSORS = frozenset({
-    "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor", "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor",
-    "NoBadWordsLogitsProcessor", "PrefixConstrainedLogitsProcessor", "SuppressTokensLogitsProcessor",
-    "SuppressTokensAtBeginLogitsProcessor"})
 
 
 def _warn_beams(session: CSVSession, num_beams: int) -> None:
@@ -177,17 +70,17 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
         return session.beam.restart
     # (an admitted name can still classify "full": a repetition penalty < 1 or a positive sequence bias raises scores)
     other = sorted({type(p).__name__ for p in processors if classify_processor(p) != "csv"
-                    and (type(p).__name__ not in _BEAM_PROCESSORS or classify_processor(p) == "full")})
+                    and (type(p).__name__ not in BEAM_PROCESSORS or classify_processor(p) == "full")})
     if other:
         return f"beam search with processors {other} (token-identical beam search takes per-token lowering ones)"
     return None
 
 
-def decide_mode(session: CSVSession, generation_config: Any, processors: list) -> CSVSession:
+def decide_mode(session: CSVSession, generation_config: Any, processors: list):
     """Pick the certificate for this decoding call from the generation config and processors.
 
-    Sets ``session.mode`` (``topk`` / ``beam`` / ``sample`` / ``epsilon`` / ``full``), ``k``,
-    ``warps`` and ``verify``; every fallback to the full head logs its reason.
+    Sets ``session.plan`` (a :mod:`hf_csv.plan` value) and returns it; every fallback to the full head logs its
+    reason.
 
     Whisper's ``logprob_threshold`` (the temperature-fallback decision reads the kept scores): greedy rounds keep
     the certified top-1 and record per-step normalizer bounds (hf_csv.whisper); sampling rounds use the full head.
@@ -199,34 +92,36 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     if why is not None and not _subset_exact(session):
         # stock's values on S are not this process's values (docs/certificates.md §2.0): a path that hands them to
         # stock's sampler or scores is not exact here; hf_csv's own draw is (it decides within the slack)
-        if session.mode == "topk" and getattr(generation_config, "do_sample", False):
+        if isinstance(session.plan, TopK) and getattr(generation_config, "do_sample", False):
             session.own_draw = True
             _decide(session, generation_config, processors)
-            if session.mode == "sample":
+            if isinstance(session.plan, Sample):
                 session.note(f"{why}: this CPU's BLAS rounds a column subset differently from the full call, so "
                              "hf_csv draws from stock's law itself (exact law, not stock's random stream)")
-        if session.mode != "sample":
+        if not isinstance(session.plan, Sample):
             session.reasons.clear()
             session.set_full(f"{why}: needs stock's values on S bit for bit, and this CPU's BLAS rounds a column "
                              "subset differently from the full call (docs/certificates.md §2.0)")
-            return session
+            return session.plan
+    plan = session.plan
     if session.whisper.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
-            and session.mode != "full":
-        if session.mode == "topk" and session.k == 1 and not getattr(generation_config, "do_sample", False) \
+            and not isinstance(plan, Full):
+        if isinstance(plan, TopK) and plan.k == 1 and not getattr(generation_config, "do_sample", False) \
                 and session.post is not None and session.post.identity:
-            session.whisper.record, session.verify = True, True
+            session.whisper.record, session.plan = True, replace(plan, verify=True)
         else:
-            session.set_full(f"Whisper's logprob_threshold in a {session.mode!r} round (temperature fallback): the "
+            session.set_full(f"Whisper's logprob_threshold in a {plan.name!r} round (temperature fallback): the "
                              "avg-logprob decision is certified for greedy rounds only")
-    if session.mode != "full" and any(type(p).__name__ == "WhisperNoSpeechDetection"
-                                      and int(getattr(p, "start_of_trans_offset", 2)) <= 1 for p in processors):
+    plan = session.plan
+    if not isinstance(plan, Full) and any(type(p).__name__ == "WhisperNoSpeechDetection"
+                                          and int(getattr(p, "start_of_trans_offset", 2)) <= 1 for p in processors):
         # the detector reads the first step's scores: FullHeadDuring gives it stock's row from the stashed step
-        if session.mode == "topk":
-            session.verify = True
+        if isinstance(plan, TopK):
+            session.plan = replace(plan, verify=True)
         else:
-            session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {session.mode!r} "
+            session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {plan.name!r} "
                              "round: full head")
-    return session
+    return session.plan
 
 
 def _own_draw(session: CSVSession) -> bool:
@@ -244,21 +139,22 @@ def _reads_values(session: CSVSession, gc: Any) -> Optional[str]:
     """Why this plan needs the values on S to be stock's bit for bit (it hands them to stock's sampler, verify or
     timestamp / log-prob rules, or returns them as scores), or ``None`` where it only takes decisions that the
     values' slack is checked against (greedy argmax, hf_csv's own draws) or serves a draft (any law is fine there)."""
-    if session.mode in ("full", "sample") or session.draft:
+    plan = session.plan
+    if isinstance(plan, (Full, Sample)) or session.draft:
         return None
-    if session.mode in ("threshold", "nucleus", "spec", "beam", "beam_exact"):
-        return f"mode {session.mode!r} (stock's warper or verify reads the values)"
-    if session.mode == "topk":
+    if isinstance(plan, (Threshold, Nucleus, Bounded, ExactBeam)) or (isinstance(plan, Epsilon) and plan.beams):
+        return f"mode {plan.name!r} (stock's warper or verify reads the values)"
+    if isinstance(plan, TopK):
         if getattr(gc, "do_sample", False):
             return "top-k sampling with stock's sampler"
-        if session.ts_proc is not None or session.always:
+        if plan.ts_proc is not None or plan.always:
             return "Whisper's timestamp rule (it reads the timestamp block's values)"
         if session.whisper.record:
             return "Whisper's avg-logprob rule"
         if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
             return "output_scores with CSVConfig(scores='subvocab')"
-        if session.k != 1:
-            return f"a certified top-{session.k} read by later processors"
+        if plan.k != 1:
+            return f"a certified top-{plan.k} read by later processors"
     return None
 
 
@@ -269,13 +165,6 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     if session.assisted and session.gumbel is None and cfg.speculative == "gumbel":
         session.note("CSVConfig(speculative='gumbel') couples an assistant model's drafts; this call has none "
                      "(prompt lookup): hf_csv's exact verify")
-    session.verify = False
-    session.k_head = 0
-    session.check_after = None
-    session.check_before = None
-    session.draw_after = False
-    session.ts_proc, session.always = None, 0
-    session.top_p_proc = session.check_replaces = None
     if session.force_full:
         session.set_full(session.force_full)
         return session
@@ -321,7 +210,6 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
             k = int(p.top_k)
             top_k = k if top_k is None else min(top_k, k)
             warps.append(("top_k", k))
-    session.temperature, session.warps = temperature, warps
     lower = "lower" in kinds
     norm = "norm" in kinds
     post = session.post
@@ -337,7 +225,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     if session.draft and not coupled:
         return _decide_draft(session, gc, kinds, do_sample, top_k, processors)
     if session.assisted and do_sample and not coupled:
-        return _assisted_sampling_plan(session, processors, kinds, num_beams, top_k)
+        return _assisted_sampling_plan(session, processors, kinds, num_beams, temperature)
     if not do_sample and num_beams == 1:
         if norm:
             # log-softmax renormalization shifts every score by a normalizer only the full head knows
@@ -345,9 +233,8 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
             return session
         # greedy: argmax of processed scores. The post map and lowering processors need the per-row
         # check (rounding in the post map can tie an uncomputed token with the winner).
-        session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
-        if lower:
-            session.k_head = _lowered_k(1, session.head.vocab_size)
+        session.plan = TopK(k=1, verify=lower or not post.identity,
+                            k_head=_lowered_k(1, session.head.vocab_size) if lower else 0)
         return session
     if not do_sample and num_beams > 1:
         if cfg.mode != "epsilon":
@@ -362,7 +249,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
             # token-identical beam search (docs/certificates.md §3.10): S holds every row's top beams_to_keep
             eos = getattr(gc, "eos_token_id", None)
             n_eos = 0 if eos is None else (1 if isinstance(eos, int) else len(torch.as_tensor(eos).reshape(-1)))
-            session.mode, session.k, session.verify = "beam_exact", max(2, 1 + n_eos) * num_beams, True
+            session.plan = ExactBeam(k=max(2, 1 + n_eos) * num_beams)
             return session
         if norm and kinds["norm"] != ["LogitNormalization"]:
             session.set_full(f"beam search with normalizing processors {kinds['norm']}")
@@ -371,7 +258,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
             session.set_full(f"beam search after a post-head transform ({post.describe()})")
             return session
         # ε-certificate (approximate); the top-2·num_beams of every row is then checked
-        session.mode, session.k, session.verify = "beam", 2 * num_beams, True
+        session.plan = Epsilon(verify=True, eps=cfg.beam_epsilon, temperature=temperature, beams=num_beams)
         return session
     if num_beams > 1:
         session.set_full("beam sampling is not certified")
@@ -383,17 +270,17 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     why = _min_p_plan(session, processors, topks)
     if why is None:
         return session
-    if _top_p_plan(session, processors, topks):
+    if _top_p_plan(session, processors, topks, temperature):
         return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampling after {post.describe()}: the map turns uncomputed -inf logits into finite "
                          "scores that keep probability")
         return session
     orders = {type(p).__name__ for p in processors if classify_processor(p) == "order"}
-    if lower and not norm and len(topks) == 0 and orders <= _LAW_ORDERS:
+    if lower and not norm and len(topks) == 0 and orders <= LAW_ORDERS:
         # lazy Gumbel with the draw after the lowering processors (docs/certificates.md §2.3): they only lower
         # scores, so the head's upper bounds stay upper bounds; the CSVLogitsProcessor (last) draws and checks
-        session.mode, session.verify, session.draw_after = "sample", True, True
+        session.plan = Sample(verify=True, warps=tuple(warps), draw_after=True)
         return session
     if lower:
         session.set_full(f"sampling with token-specific processors {kinds['lower']} and a normalizing warper "
@@ -401,7 +288,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         return session
     if norm:
         if cfg.mode == "epsilon" and post.identity:
-            session.mode = "epsilon"
+            session.plan = Epsilon(eps=cfg.epsilon, temperature=temperature)
             return session
         session.set_full(f"normalizing warpers {kinds['norm']} without a top-k before them need the whole "
                          "distribution (CSVConfig(mode='epsilon') allows TV <= epsilon)")
@@ -409,13 +296,13 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
     if len(topks) > 1:
         session.set_full("several top-k warpers")
         return session
-    if orders - _LAW_ORDERS:
+    if orders - LAW_ORDERS:
         # "order" means argmax-invariant, not law-invariant: x -> 3x keeps every argmax and changes the law, and the
         # head's own draw models temperature and the top-k filter only (docs/certificates.md §2.3)
-        session.set_full(f"sampling with order-preserving processors {sorted(orders - _LAW_ORDERS)} whose effect on "
+        session.set_full(f"sampling with order-preserving processors {sorted(orders - LAW_ORDERS)} whose effect on "
                          "the law the certified draw does not model")
         return session
-    session.mode = "sample"
+    session.plan = Sample(warps=tuple(warps))
     return session
 
 
@@ -453,8 +340,7 @@ def _timestamp_plan(session: CSVSession, processors: list, kinds: dict, do_sampl
     if not (0 < start <= tb < V):
         session.set_full(f"Whisper timestamps with an unexpected vocabulary layout (timestamp_begin {tb}, V {V})")
         return session
-    session.mode, session.k, session.verify = "topk", 1, True
-    session.ts_proc, session.check_before, session.always = proc, proc, V - start
+    session.plan = TopK(k=1, verify=True, ts_proc=proc, always=V - start)
     return session
 
 
@@ -472,10 +358,9 @@ def _top_k_plan(session: CSVSession, processors: list, topks: list) -> bool:
         return False
     if not {classify_processor(p) for p in processors[:i]} <= {"order", "lower"}:
         return False
-    session.mode, session.k, session.verify = "topk", top_k, True
-    session.check_after = processors[i]
-    if any(classify_processor(p) == "lower" for p in processors[:i]):
-        session.k_head = _lowered_k(top_k, session.head.vocab_size)
+    lowered = any(classify_processor(p) == "lower" for p in processors[:i])
+    session.plan = TopK(k=top_k, verify=True, check_after=processors[i],
+                        k_head=_lowered_k(top_k, session.head.vocab_size) if lowered else 0)
     return True
 
 
@@ -520,18 +405,16 @@ def _min_p_plan(session: CSVSession, processors: list, topks: list) -> Optional[
     for p in processors[:i]:
         if type(p).__name__ == "TemperatureLogitsWarper":
             temp *= float(p.temperature)
-    session.mode, session.verify = "threshold", True
-    session.min_p = min_p
-    # raw-logit width of the kept band (S's size only; the check decides correctness), plus slack
-    session.delta = -math.log(min_p) * temp * 1.001 + 1e-3
-    # a lowering processor (repetition penalty, ...) may lower the top token itself, and with it the
+    # delta: raw-logit width of the kept band (S's size only; the check decides correctness), plus slack.
+    # delta_rel: a lowering processor (repetition penalty, ...) may lower the top token itself, and with it the
     # threshold: widen the band by 10 % of the top logit (a 1.1 penalty's effect) so the check rarely fails
-    session.delta_rel = 0.1 if any(classify_processor(p) == "lower" for p in processors[:i]) else 0.0
-    session.check_before = mp
+    session.plan = Threshold(min_p=min_p, delta=-math.log(min_p) * temp * 1.001 + 1e-3,
+                             delta_rel=0.1 if any(classify_processor(p) == "lower" for p in processors[:i]) else 0.0,
+                             min_p_proc=mp)
     return None
 
 
-def _top_p_plan(session: CSVSession, processors: list, topks: list) -> bool:
+def _top_p_plan(session: CSVSession, processors: list, topks: list, temperature: float) -> bool:
     """Nucleus mode for top-p sampling without a top-k (docs/certificates.md §3.5): the head returns exact logits
     on S and an upper bound on every other token; the CSVLogitsProcessor takes the top-p warper's place and
     computes stock's nucleus from them where the bounds decide it (else the row gets the full head and stock's
@@ -549,16 +432,14 @@ def _top_p_plan(session: CSVSession, processors: list, topks: list) -> bool:
     top_p = float(tp.top_p)
     if not 0.0 < top_p < 1.0:
         return False
-    session.mode, session.verify = "nucleus", True
-    session.top_p_proc = session.check_replaces = tp
     # the head's S leaves at most about a tenth of the removed mass (1 − top_p) outside: the decisions then
     # rarely need the full row (speed only; the check decides correctness)
-    session.nucleus_eps = min(5e-2, max(1e-3, 0.2 * (1.0 - top_p)))
+    session.plan = Nucleus(top_p_proc=tp, eps=min(5e-2, max(1e-3, 0.2 * (1.0 - top_p))), temperature=temperature)
     return True
 
 
 def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, num_beams: int,
-                            top_k: Optional[int]) -> CSVSession:
+                            temperature: float) -> CSVSession:
     """The target's head in assisted sampling (speculative sampling; docs/speculative.md).
 
     * One top-k warper with only order-preserving or lowering processors before it: certified top-K,
@@ -586,7 +467,7 @@ def _assisted_sampling_plan(session: CSVSession, processors: list, kinds: dict, 
     elif not post.identity:
         session.set_full(f"assisted sampling after {post.describe()}")
     else:
-        session.mode, session.verify = "spec", True
+        session.plan = Bounded(temperature=temperature)
     return session
 
 
@@ -610,11 +491,10 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
         if "norm" in kinds:
             session.set_full(f"greedy draft with normalizing processors {kinds['norm']}")
             return session
-        session.mode, session.k, session.verify = "topk", 1, lower or not post.identity
-        if lower:
-            session.k_head = _lowered_k(1, session.head.vocab_size)
         thr = getattr(gc, "assistant_confidence_threshold", None)
-        session.fill_tail = bool(thr) and not lower and post.identity
+        session.plan = TopK(k=1, verify=lower or not post.identity,
+                            k_head=_lowered_k(1, session.head.vocab_size) if lower else 0,
+                            fill_tail=bool(thr) and not lower and post.identity)
         return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampled draft after {post.describe()}")
@@ -626,10 +506,9 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     if top_k and top_k <= cfg.draft_top_k and _top_k_plan(session, list(processors), topks):
         return session
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
-    session.mode, session.k, session.verify = "topk", k, lower
     # no top-k warper on the draft: its law is the whole softmax, whose tail outside the certified top-k the screen
     # estimates (with a top-k warper the tail is cut anyway: the estimates lie below the k-th exact logit)
-    session.fill_est = not top_k or top_k >= session.head.vocab_size
+    session.plan = TopK(k=k, verify=lower, fill_est=not top_k or top_k >= session.head.vocab_size)
     return session
 
 
@@ -657,22 +536,23 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     session stays certified for its eager steps, which keep feeding (and probing) the guard; ``None`` is returned
     and ``session.compiled.stock`` is set.
     """
-    if session.mode == "full":
+    plan = session.plan
+    if isinstance(plan, Full):
         return None
     why = None
     ch = session.head
     rows = getattr(getattr(ch, "provider", None), "rows", None)
     procs = [p for p in session.processors or () if getattr(p, "csv_kind", None) != "csv"]
-    topk_proc = session.check_after if session.mode == "topk" else None
+    topk_proc = plan.check_after if isinstance(plan, TopK) else None
     sampled = topk_proc is not None and classify_processor(topk_proc) == "topk" and any(p is topk_proc for p in procs)
     # sampled: what runs before the top-k warper is what the certificate must survive; after it, stock's vector
     before = procs[:next(i for i, p in enumerate(procs) if p is topk_proc)] if sampled else procs
     lowering = sorted({type(p).__name__ for p in before if classify_processor(p) == "lower"} - _STATIC_LOWER)
     temps = [p for p in before if classify_processor(p) == "order"]
-    k = max(int(session.k), int(getattr(topk_proc, "top_k", 0))) if sampled else 1
-    if session.mode != "topk" or (session.k != 1 and not sampled) or session.always or session.whisper.record or (
-            session.draw_after or session.check_before is not None or session.check_replaces is not None):
-        why = f"mode {session.mode!r} (k={session.k}) with its per-step check"
+    k = max(int(plan.k), int(getattr(topk_proc, "top_k", 0))) if sampled else 1
+    if not isinstance(plan, TopK) or (plan.k != 1 and not sampled) or plan.always or session.whisper.record or (
+            plan.ts_proc is not None):
+        why = f"mode {plan.name!r} (k={getattr(plan, 'k', 1)}) with its per-step check"
     elif sampled and (len(temps) > 1 or any(type(p).__name__ != "TemperatureLogitsWarper" for p in temps)):
         why = f"the order processors {[type(p).__name__ for p in temps]} before the top-k warper"
     elif lowering:

@@ -37,7 +37,7 @@ from . import checks
 from .certificate import value_interval
 from .errors import CSVError
 from .head import CSVSession, flush_guard
-from .policy import classify_processor, masks_only
+from .plan import Epsilon, ExactBeam, Nucleus, Sample, Threshold, TopK, classify_processor, masks_only
 
 __all__ = ["CSVLogitsProcessor", "GumbelCoupledDraw"]
 
@@ -123,20 +123,21 @@ class CSVLogitsProcessor(LogitsProcessor):
 
     def _process(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
                  sess: Optional[CSVSession]) -> torch.FloatTensor:
-        if sess is not None and sess.check_replaces is not None and (
-                sess.mode != "nucleus" or not sess.verify or sess.last is None):
+        if sess is not None and sess.replaced is not None and (
+                not isinstance(sess.plan, Nucleus) or sess.last is None):
             # this processor took the top-p warper's place, and this step's row is stock's (the call or the head
             # call went to the full head, e.g. a stopping criterion declined it after the list was built)
-            return sess.top_p_proc(input_ids, scores)
+            return sess.replaced(input_ids, scores)
         if sess is not None and sess.compiled.start is not None and self._compiled_step(sess, input_ids):
             return scores
         if sess is not None and sess.compiled.stock and self._compiled_step(sess, input_ids, stock=True):
             return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
-        if sess is None or not sess.verify or sess.mode not in ("topk", "beam", "beam_exact", "threshold", "sample",
-                                                                "nucleus"):
+        plan = sess.plan if sess is not None else None
+        if sess is None or not plan.verify or not isinstance(plan, (TopK, Epsilon, ExactBeam, Threshold, Sample,
+                                                                     Nucleus)):
             return scores
         last = sess.last
-        if sess.mode == "beam_exact":
+        if isinstance(plan, ExactBeam):
             return self._beam_box(input_ids, scores, sess, last)
         if last is None:
             if sess.whisper.record:
@@ -145,17 +146,17 @@ class CSVLogitsProcessor(LogitsProcessor):
         if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
             raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
         p = last.position(input_ids.shape[1])
-        if sess.mode == "sample":
+        if isinstance(plan, Sample):
             return self._draw(input_ids, scores, sess, last, p)
-        if sess.mode == "nucleus":
+        if isinstance(plan, Nucleus):
             return self._nucleus(input_ids, scores, sess, last, p)
         raw = last.logits[:, p]
-        k = min(sess.k, raw.shape[1])
-        if sess.draft and k > 1 and sess.check_after is None:
+        k = min(getattr(plan, "k", 1), raw.shape[1])
+        if sess.draft and k > 1 and getattr(plan, "check_after", None) is None:
             # a sampled draft may use any distribution it returns; it only needs a finite row
             bad = ~torch.isfinite(scores.amax(1).float())
             return self._rerun(input_ids, scores, sess, last, p, bad)
-        if sess.mode in ("topk", "threshold"):
+        if isinstance(plan, (TopK, Threshold)):
             bound = last.bound[:, p]
             ob = bound.to(raw.dtype)
             if sess.post is not None and not sess.post.identity:
@@ -165,9 +166,9 @@ class CSVLogitsProcessor(LogitsProcessor):
                 ob = proc(input_ids, ob)
             ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
             ts = None
-            if sess.mode == "threshold":
-                bad = checks.min_p_unsure(scores.float(), ob, sess.min_p)
-            elif sess.ts_proc is not None:
+            if isinstance(plan, Threshold):
+                bad = checks.min_p_unsure(scores.float(), ob, plan.min_p)
+            elif plan.ts_proc is not None:
                 bad, ts = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
             else:
                 bad = checks.topk_unsure(scores, ob, k)
@@ -257,7 +258,7 @@ class CSVLogitsProcessor(LogitsProcessor):
     def _nucleus(self, input_ids, scores, sess, last, p):
         """Top-p without a top-k (docs/certificates.md §3.5), in the warper's place: stock's warper output where
         the bounds decide every token's membership of the nucleus, else the full row through stock's warper."""
-        warper = sess.top_p_proc
+        warper = sess.plan.top_p_proc
         S = last.mask[:, p]
         up = checks.raise_by_dtype(last.upper[:, p], sess.out_dtype)
         for proc in self._prefix(sess).orders:  # temperature
@@ -324,7 +325,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         if sess.post is not None and not sess.post.identity:
             raw = sess.post.apply(raw)
         new = raw.float()
-        if sess.mode == "beam":
+        if isinstance(sess.plan, Epsilon) and sess.plan.beams:
             new = torch.log_softmax(new, dim=-1)
         for proc in self._prefix(sess).runs:  # (not a no-speech detector's forward: once is enough)
             new = proc(input_ids, new)
@@ -339,7 +340,7 @@ def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor
     The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
     tokens when logsumexp(timestamps) > max(text) in log-probabilities. Its masks are read by running it on a
     probe on which (b) cannot fire unless the text is already all masked."""
-    proc = sess.ts_proc
+    proc = sess.plan.ts_proc
     tb = int(proc.timestamp_begin)
     probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     probe[:, tb:] = -1e4

@@ -29,6 +29,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
                    set_static_plan, swapped_head)
+from .plan import Full
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
 from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
@@ -142,28 +143,22 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
         if sess.draft and sess.gumbel is not None and getattr(gc, "do_sample", False):
             others = _once_each_warper(others)
-        decide_mode(sess, gc, others)
-        if sess.mode != "full":
+        plan = decide_mode(sess, gc, others)
+        if not isinstance(plan, Full):
             # Whisper's no-speech detection reads stock's logits (its own forward on the stock head, or stock's row)
             others = [FullHeadDuring(p, sess) if type(p).__name__ == "WhisperNoSpeechDetection" else p
                       for p in others]
-        modes = getattr(sess.head, "modes", None)
-        if modes is not None and sess.mode != "full" and sess.mode not in modes:
-            sess.set_full(f"the vocabulary-parallel head certifies {sorted(modes)} only, not {sess.mode!r}")
-        if sess.verify and sess.mode != "full" and not getattr(sess.head, "bounds_uncomputed", True):
+        if not plan.supported_by(sess.head):
+            sess.set_full(f"the vocabulary-parallel head certifies {sorted(sess.head.modes)} only, not {plan.name!r}")
+        if sess.verify and not getattr(sess.head, "bounds_uncomputed", True):
             sess.set_full("the vocabulary-parallel head gives no per-row bound on uncomputed logits, which the check "
                           "after lowering processors or a post-head transform needs")
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
         if sess.verify or mine:
-            # the check goes right after the processor the certificate is about (sampling: the top-k
-            # warper, so that every later warper sees stock's vector), else last
-            at = next((i + 1 for i, p in enumerate(others) if p is sess.check_after), len(others))
-            if sess.check_before is not None:  # threshold mode: right before the min-p warper
-                at = next((i for i, p in enumerate(others) if p is sess.check_before), at)
-            skip = 0
-            if sess.check_replaces is not None:  # nucleus mode: in the top-p warper's place (it calls it where needed)
-                at = next((i for i, p in enumerate(others) if p is sess.check_replaces), at)
-                skip = int(at < len(others) and others[at] is sess.check_replaces)
+            # the check's place in the list (after the top-k warper in sampling, so that every later warper sees stock's vector; before min-p or
+            # Whisper's timestamp rule; in the top-p warper's place, which it calls where needed: hf_csv.plan)
+            at, skip = sess.plan.placement(others)
+            sess.replaced = others[at] if skip else None
             others = others[:at] + [verifier] + others[at + skip:]
         scores_out = getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False)
         if sess.gumbel is not None and getattr(gc, "do_sample", False):

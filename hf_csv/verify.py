@@ -38,6 +38,7 @@ from hf_csv_kernels.verify import (LossyVerifyWarning, VerifyResult, bounded_ver
 
 from ._compat import speculative_gen_utils
 from .errors import CSVError
+from .plan import Bounded, TopK
 
 __all__ = [
     "patch_speculative_sampling",
@@ -344,11 +345,11 @@ def _dispatch(
                            "combined with CSVConfig(speculative='gumbel')")
         valid, n = speculative_sampling_gumbel(sess.gumbel, candidate_input_ids, candidate_length, new_logits)
         h.certified_calls += 1
-    elif h.mode == "exact" and sess is not None and sess.mode == "spec" and weight is None:
+    elif h.mode == "exact" and sess is not None and isinstance(sess.plan, Bounded) and weight is None:
         valid, n = speculative_sampling_certified(sess, candidate_input_ids, candidate_logits, candidate_length,
                                                   new_logits, generator=h.generator, counts=h.counts)
         h.certified_calls += 1
-    elif h.mode == "exact" and sess is not None and sess.mode == "topk" and sess.check_after is not None \
+    elif h.mode == "exact" and sess is not None and isinstance(sess.plan, TopK) and sess.plan.check_after is not None \
             and h.generator is None:
         # the target's checked top-K plan: its processed rows are stock's, and so are the draft's on the same plan
         # (hf_csv.policy): stock's own verify then draws stock's tokens from stock's random stream

@@ -34,7 +34,7 @@ import torch
 
 import hf_csv.certificate as cert
 import hf_csv.checks as checks
-import hf_csv.head as head
+import hf_csv.plan as plan
 import hf_csv.processors as proc
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     u32 = checks.U32
 
     def spec(self, H, eps=1e-2, temperature=1.0, out_dtype=None):
-        if eps != head.BEAM_EPS:  # not the beam head: the shipped path
+        if eps != plan.BEAM_EPS:  # not the beam head: the shipped path
             return orig_spec(self, H, eps, temperature, out_dtype)
         d = out_dtype or torch.float32
         Hf = H.float()

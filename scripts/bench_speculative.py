@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
+from hf_csv.plan import TopK  # noqa: E402
 from hf_csv.verify import (  # noqa: E402
     LossyVerifyWarning,
     check_transformers_version,
@@ -368,7 +369,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
     def exact(cand, cand_logits, L, new_logits, weight=None, **kw):
         h = hv._stack()[-1] if hv._stack() else None
         sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and sess.mode == "topk" and sess.last is not None:
+        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.last is not None:
             run("topk", lambda c, ql, LL, nl, g: orig_exact(c, ql, LL, nl, None, generator=g), sess, cand,
                 cand_logits, int(L), new_logits)
         return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
@@ -378,7 +379,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
         # stock's exactly when those rows are stock's processed rows, which is checked here, bit for bit
         h = hv._stack()[-1] if hv._stack() else None
         sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and sess.mode == "topk" and sess.last is not None:
+        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.last is not None:
             same = bool(torch.equal(new_logits.float(), stock_rows(sess, cand, int(L)).to(new_logits.device)))
             out.update(kind="topk (stock's verify)", drafted=int(L), rows_identical=same, identical_law=same)
         return stock(cand, cand_logits, L, new_logits, *a, **kw)

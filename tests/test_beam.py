@@ -15,7 +15,7 @@ import torch
 
 import hf_csv
 import hf_csv.beam as hb
-import hf_csv.head as hh
+import hf_csv.plan as hplan
 import hf_csv.processors as hp
 from hf_csv import CSVConfig
 from hf_csv.errors import CSVError
@@ -60,7 +60,7 @@ RAN: list = []
 def test_beam_exact_matches_stock(monkeypatch, arch, dtype, nb, batch, extra, eps):
     # eps: how much of a row's mass S may leave out (hf_csv.head.BEAM_EPS). The tiny heads put most rows over the
     # budget at the default 1e-3; at 0.05 the decisions are taken from the intervals of sub-vocabulary rows
-    monkeypatch.setattr(hh, "BEAM_EPS", eps)
+    monkeypatch.setattr(hplan, "BEAM_EPS", eps)
     m, a, b, st = _run(arch, dtype, nb, batch, extra)
     assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"
     if "beam" not in st:  # declined before decoding (e.g. Gemma-3's softcap): the reason says why
@@ -122,7 +122,7 @@ def test_intervals_contain_stock(monkeypatch, arch, dtype):
         return out
 
     monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
-    monkeypatch.setattr(hh, "BEAM_EPS", 0.3)  # leave real mass outside S, so that the R term of the interval is tested
+    monkeypatch.setattr(hplan, "BEAM_EPS", 0.3)  # leave real mass outside S, so that the R term of the interval is tested
     for nb, batch in ((2, 1), (4, 3)):
         _, a, b, _ = _run(arch, dtype, nb, batch, {"repetition_penalty": 1.2})
         assert torch.equal(_seqs(a), _seqs(b))
@@ -184,7 +184,7 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
 
     m = _model("llama", torch.float32, 1)
     nb, V = rep_rows.shape
-    sess = CSVSession(model=m, config=CSVConfig(**EXACT), head=None, out_dtype=torch.float32, mode="beam_exact")
+    sess = CSVSession(model=m, config=CSVConfig(**EXACT), head=None, out_dtype=torch.float32, plan=hplan.ExactBeam())
     sess.beam.step = BeamStep(lo=lo_rows, hi=hi_rows, rep=rep_rows, ob=ob)
     r = torch.tensor([rbs], dtype=torch.float32)
     sess.beam.state = hb._State(rbs=(r, r, r), fin=(torch.full((1, nb), -1e9),) * 2)
@@ -261,6 +261,6 @@ def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, b
         return rep.to(out.dtype)
 
     monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
-    monkeypatch.setattr(hh, "BEAM_EPS", 0.5)
+    monkeypatch.setattr(hplan, "BEAM_EPS", 0.5)
     m, a, b, st = _run(arch, dtype, nb, batch, extra)
     assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"
