@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -28,13 +27,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from hf_csv_kernels.threads import rows_bucket
-
 from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .plan import FULL, Bounded, Full, Plan, Sample
+from .plan import FULL, Full, Plan
 from .posthead import PostHead, check_output
+from .step import StepStash, head_step
 
 logger = logging.getLogger(__name__)
 
@@ -50,54 +48,13 @@ _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary
 
 
 @dataclass
-class StepStash:
-    """What the last head call saw, for :class:`~hf_csv.processors.CSVLogitsProcessor`.
-
-    All P positions of the call are kept: assisted decoding verifies L+1 positions from one head
-    call and runs the processors once per position. ``fed_total`` is the sequence length the model
-    had consumed after this call (cache + new tokens); position p of the call predicts the token
-    at index ``fed_total - (P - 1 - p)``, which is how the processor finds its row.
-    """
-
-    H: torch.Tensor  # [B, P, d] hidden states (views, not copies), in the model dtype
-    logits: torch.Tensor  # [B, P, V] the dense certified logits returned (model dtype, before the post map)
-    mask: Optional[torch.Tensor]  # [B, P, V] bool: certified S (all True on fallback rows)
-    fed_total: Optional[int] = None
-    # [B, P] every token outside S has a stock logit (model dtype, before the post map) <= bound
-    bound: Optional[torch.Tensor] = None
-    noise: Optional[torch.Tensor] = None  # [B, P, V] sample mode, draw after the processors: Gumbel noise
-    cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
-    shift: Optional[torch.Tensor] = None  # [B, P] ... in units shifted by this (CertResult.shift)
-    upper: Optional[torch.Tensor] = None  # [B, P, V] spec mode: bound on stock's fp32 logit of every token
-    # [B, P, V] stock's head on all B·P rows, computed once by the first re-run that needs it: assisted decoding
-    # checks up to P positions of one call, and each re-run used to repeat the whole GEMM (~0.2 s on Qwen-1.5B)
-    stock_full: Optional[torch.Tensor] = None
-    # [B, P] fp32: each value of the row comes from an accumulator within slack of stock's (0: stock's own row)
-    slack: Optional[torch.Tensor] = None
-    acc: Optional[torch.Tensor] = None  # [B, P, V] fp32: our accumulators on S (hf_csv.certificate.value_interval)
-
-    def position(self, input_len: int) -> int:
-        """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
-        P = self.logits.shape[1]
-        if P == 1:
-            return 0
-        if self.fed_total is None:
-            raise CSVError("hf_csv: cannot tell which of several positions is being processed")
-        p = P - 1 - (self.fed_total - input_len)
-        if not 0 <= p < P:
-            raise CSVError(f"hf_csv: processor input length {input_len} does not match the head call "
-                           f"({P} positions ending at {self.fed_total})")
-        return p
-
-
-@dataclass
 class WhisperRecord:
     """Whisper's temperature-fallback decision in one call (hf_csv.whisper, docs/certificates.md §3.6)."""
 
     scores_internal: bool = False  # the scores generate keeps feed only the avg-logprob decision, which hf_csv certifies
     threshold: Optional[float] = None  # the logprob_threshold certified
     record: bool = False  # the check records each greedy step's normalizer bounds ...
-    steps: list = field(default_factory=list)  # ... here (hf_csv.processors._record_lp)
+    steps: list = field(default_factory=list)  # ... here (hf_csv.plan.record_lp)
     index: Optional[int] = None  # the batch row Whisper's _need_fallback decides
 
 
@@ -105,7 +62,7 @@ class WhisperRecord:
 class BeamRecord:
     """Token-identical beam search in one call (hf_csv.beam, docs/certificates.md §3.10)."""
 
-    step: Any = None  # this step's processed log-prob intervals (hf_csv.processors.BeamStep)
+    step: Any = None  # this step's processed log-prob intervals (hf_csv.plan.BeamStep)
     state: Any = None  # the intervals of stock's beam bookkeeping (hf_csv.beam)
     restart: Optional[str] = None  # why the call re-ran its beam search on the full head
 
@@ -386,15 +343,6 @@ class CSVHead(nn.Module):
     def bias(self) -> Optional[torch.Tensor]:
         return self.inner.bias
 
-    def _full(self, sess: CSVSession, hidden: torch.Tensor) -> torch.Tensor:
-        """This head call uses the full head (counted); the processor's check then has nothing to check."""
-        sess.full_calls += 1
-        sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
-        if sess.verify:
-            sess.last = None
-        sess.last_out = None
-        return self.inner(hidden)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # traced into a compiled forward: no per-call Python state can be read here (a graph replays
@@ -408,116 +356,7 @@ class CSVHead(nn.Module):
         if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched
             sess.reports["processor_forwards"] = sess.reports.get("processor_forwards", 0) + 1
             return self.inner(hidden)
-        sess.head_calls += 1
-        plan = sess.plan
-        if isinstance(plan, Full) or hidden.numel() == 0 or (
-                sess.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
-            # (the last case: several positions whose token index is unknown, e.g. inputs_embeds;
-            # the processor could not find its row, so this call uses the full head)
-            return self._full(sess, hidden)
-        if sess.spec_full_next:
-            # no drafts this round (hf_csv.candidate): stock samples from this row itself, so it must be complete
-            sess.spec_full_next = False
-            return self._full(sess, hidden)
-        keys = None
-        if isinstance(plan, Sample) and sess.gumbel is not None:
-            # Gumbel-coupled draws: the noise of each row is that of the token index it predicts
-            keys = _token_keys(sess, hidden)
-            if keys is None:
-                sess.note("Gumbel-coupled draw with unknown token indices (inputs_embeds or batch > 1): full head "
-                          "for those steps (the draw then happens on the full row, with the same noise)")
-                return self._full(sess, hidden)
-        lead, d = hidden.shape[:-1], hidden.shape[-1]
-        H = hidden.reshape(-1, d)
-        ch = sess.head
-        if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
-            H = H.to(ch.weight.device)
-        ready = getattr(ch, "ready", None)  # (the vocabulary-parallel head builds synchronously on every rank)
-        if ready is not None and not ready(H):  # first call on a large head: the screen is still being packed
-            sess.note("the int8 screen is still being packed (first call): full head for these steps")
-            return self._full(sess, hidden)
-        guard = getattr(ch, "_speed_guard", None)
-        gkey = None
-        if guard is not None and guard.enabled():
-            flush_guard(sess)  # a record the processor did not complete (it did not run after that head call)
-            gkey = guard_key(sess, H.shape[0])
-            if not guard.certified(gkey, rows=H.shape[0]):
-                sess.note("the full head is measured faster than the certified one for this shape, or is being "
-                          "re-measured (a periodic probe of the speed guard, hf_csv.speed)")
-                t0 = time.perf_counter()
-                out = self._full(sess, hidden)
-                _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
-                return out
-            t0 = time.perf_counter()
-        if sess.spec_pending and isinstance(plan, Bounded):
-            # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
-            # -inf-padded logits; refuse rather than let a restricted row be sampled from
-            raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
-                           "please report this (generate without csv_config meanwhile)")
-        res, out = plan.head(ch, H, sess, keys)
-        if sess.config.stats:
-            sess.stats.merge(res.stats)
-        out = out.view(*lead, out.shape[-1])
-        sess.last_out = out
-        if sess.verify:
-            B, P = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (H.shape[0], 1)
-            V = out.shape[-1]
-            bound = None if res.bound is None else res.bound.view(B, P)
-            noise = None if res.noise is None else res.noise.view(B, P, V)
-            cut = None if res.cut is None else res.cut.view(B, P)
-            shift = None if res.shift is None else res.shift.view(B, P)
-            upper = None if res.upper is None else res.upper.view(B, P, V)
-            slack = None if res.slack is None else res.slack.view(B, P)
-            acc = res.acc_dense().view(B, P, V) if res.slack is not None and res.acc is not None else None
-            sess.last = StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V),
-                                  mask=res.mask.view(B, P, V), fed_total=sess.fed_total, bound=bound,
-                                  noise=noise, cut=cut, shift=shift, upper=upper, slack=slack, acc=acc)
-            sess.spec_pending = isinstance(plan, Bounded)
-        if gkey is not None:
-            _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
-        return out
-
-
-def _token_keys(sess: CSVSession, hidden: torch.Tensor) -> Optional[list]:
-    """The token index each row of a head call predicts (see :meth:`StepStash.position`): batch size 1 only (as
-    assisted decoding), None when unknown."""
-    P = hidden.shape[1] if hidden.dim() == 3 else 1
-    B = hidden.shape[0] if hidden.dim() >= 2 else 1
-    if B != 1 or sess.fed_total is None:
-        return None
-    return [sess.fed_total - (P - 1 - p) for p in range(P)]
-
-
-def guard_key(sess: CSVSession, rows: int) -> tuple:
-    """The speed guard's key of a head call of ``rows`` rows in this session (hf_csv.speed)."""
-    return (*sess.plan.guard_tag, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
-
-
-def _guard_record(sess: CSVSession, guard: Any, gkey: tuple, certified: bool, seconds: float,
-                  hidden: torch.Tensor) -> None:
-    """Record a head call's time with the speed guard, or leave it for the step's CSVLogitsProcessor to complete.
-
-    When a CSVLogitsProcessor runs after a one-position head call (``sess.verify``, not assisted), the step's cost
-    of each side includes what the processor does for it: the certificate's check on a certified row, stock's
-    warper on a full one (nucleus mode replaces stock's top-p warper, whose sort over V costs about a third of
-    SmolLM2's head). The guard then compares whole steps, not head calls (hf_csv.speed)."""
-    sess.guard_pending = (guard, gkey, certified, seconds)
-    one = hidden.dim() < 3 or hidden.shape[-2] == 1
-    if not (sess.verify and one and not (sess.assisted or sess.draft)):
-        flush_guard(sess)  # no processor step completes this one: record the head call alone
-
-
-def flush_guard(sess: CSVSession, extra_seconds: float = 0.0) -> None:
-    """Complete the pending speed-guard record of the last head call (adding ``extra_seconds``, the processor's
-    time of the same step) and report the guard's current choice in the call's stats."""
-    got, sess.guard_pending = sess.guard_pending, None
-    if got is None:
-        return
-    guard, gkey, certified, seconds = got
-    guard.record(gkey, certified, seconds + extra_seconds)
-    summ = guard.summary(gkey)
-    if summ is not None:
-        sess.reports["speed_guard"] = summ
+        return head_step(sess, self.inner, hidden)
 
 
 def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:

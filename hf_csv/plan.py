@@ -24,6 +24,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from . import checks
+from .errors import CSVError
+
 __all__ = ["Plan", "Full", "TopK", "Threshold", "Nucleus", "Bounded", "Sample", "ExactBeam", "Epsilon", "FULL",
            "classify_processor", "masks_only", "classify_stopping_criterion", "SPEC_EPS", "BEAM_EPS"]
 
@@ -42,7 +45,16 @@ class Plan:
     the processors (and recomputes with stock's head the rows it cannot prove)."""
 
     name: ClassVar[str] = ""
+    # whether its check runs in the processor list (Bounded: hf_csv's verify reads its bounds instead)
+    checks_rows: ClassVar[bool] = True
     verify: bool = False
+
+    def check(self, c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor, last: Any,
+              p: Optional[int]) -> torch.Tensor:
+        """The step's check at the CSVLogitsProcessor ``c``'s place (hf_csv.step.check_step): ``scores`` with every
+        row provably stock's, the rows it cannot prove recomputed by ``c.rerun``. ``last``: the head call's
+        StepStash (None only for ExactBeam), ``p`` the position in it."""
+        return scores
 
     def head(self, ch: Any, H: torch.Tensor, sess: Any, keys: Optional[list] = None) -> tuple[Any, torch.Tensor]:
         """(CertResult, dense logits [N, V] in the model dtype) of one head call on rows ``H`` [N, d]."""
@@ -51,6 +63,11 @@ class Plan:
     def placement(self, procs: list) -> tuple[int, int]:
         """(index, how many processors it replaces) of the check in the call's processor list: last by default."""
         return len(procs), 0
+
+    @property
+    def log_softmax_rows(self) -> bool:
+        """Whether stock runs log_softmax on the head's rows before the processors (beam search's scores)."""
+        return False
 
     @property
     def guard_tag(self) -> tuple:
@@ -125,6 +142,26 @@ class TopK(Plan):
     def guard_tag(self):
         return (self.name, self.always)
 
+    def check(self, c, sess, input_ids, scores, last, p):
+        """Top-k after the processors (docs/certificates.md §3.2), Whisper's timestamp rule (§3.4), the values' slack
+        (§2.0); records Whisper's avg-logprob terms when the call keeps them (§3.6)."""
+        k = min(self.k, last.logits.shape[2])
+        if sess.draft and k > 1 and self.check_after is None:
+            # a sampled draft may use any distribution it returns; it only needs a finite row
+            return c.rerun(input_ids, scores, sess, last, p, ~torch.isfinite(scores.amax(1).float()))
+        ob = c.outside_bound(input_ids, sess, last, p)
+        ts = None
+        if self.ts_proc is not None:
+            bad, ts = timestamp_unsure(sess, self.ts_proc, input_ids, scores, ob, last.mask[:, p])
+        else:
+            bad = checks.topk_unsure(scores, ob, k)
+            if last.slack is not None and not sess.draft:
+                bad |= c.set_undecided(input_ids, scores, sess, last, p, k, ob)
+        out = c.rerun(input_ids, scores, sess, last, p, bad)
+        if sess.whisper.record:
+            record_lp(sess, input_ids, out, last, p, bad, ts)
+        return out
+
 
 @dataclass(frozen=True)
 class Threshold(Plan):
@@ -142,6 +179,10 @@ class Threshold(Plan):
     def head(self, ch, H, sess, keys=None):
         res = ch.threshold(H, self.delta, out_dtype=sess.out_dtype, rel=self.delta_rel)
         return res, res.logits
+
+    def check(self, c, sess, input_ids, scores, last, p):
+        bad = checks.min_p_unsure(scores.float(), c.outside_bound(input_ids, sess, last, p), self.min_p)
+        return c.rerun(input_ids, scores, sess, last, p, bad)
 
     def placement(self, procs):
         i = _index(procs, self.min_p_proc)
@@ -167,6 +208,33 @@ class Nucleus(Plan):
         i = _index(procs, self.top_p_proc)
         return (len(procs), 0) if i is None else (i, 1)
 
+    def check(self, c, sess, input_ids, scores, last, p):
+        """In the top-p warper's place (docs/certificates.md §3.5): stock's warper output where the bounds decide
+        every token's membership of the nucleus, else the full row through stock's warper."""
+        warper = self.top_p_proc
+        S = last.mask[:, p]
+        up = checks.raise_by_dtype(last.upper[:, p], sess.out_dtype)
+        for proc in c.orders(sess):  # temperature
+            up = proc(input_ids, up)
+        complete = S.all(1)
+        remove, bad = checks.nucleus_decide(scores, S, up, float(warper.top_p))
+        bad &= ~complete
+        st = sess.reports.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
+                                               "rows_rerun": 0})
+        st["rows"] += int(scores.shape[0])
+        st["complete_rows"] += int(complete.sum())
+        st["rows_rerun"] += int(bad.sum())
+        st["decided_by_bounds"] += int((~bad & ~complete).sum())
+        out = scores.masked_fill(remove, warper.filter_value)
+        fix = bad | complete
+        if bool(fix.any()):
+            src = c.rerun(input_ids, scores, sess, last, p, bad) if bool(bad.any()) else scores
+            idx = fix.nonzero(as_tuple=True)[0]
+            out[idx] = warper(input_ids[idx], src[idx])  # stock's warper on stock's rows (it works row by row)
+        else:
+            c.log_step(int(scores.shape[0]), 0)
+        return out
+
 
 @dataclass(frozen=True)
 class Bounded(Plan):
@@ -174,6 +242,7 @@ class Bounded(Plan):
     (all but about ``SPEC_EPS`` of the mass) and bounds for the rest, which the certified verify reads."""
 
     name: ClassVar[str] = "spec"
+    checks_rows: ClassVar[bool] = False
     verify: bool = True
     temperature: float = 1.0
 
@@ -202,6 +271,26 @@ class Sample(Plan):
             sess.assist.conf = dict(zip(keys, res.conf.tolist()))
         return res, (res.logits if self.draw_after else one_hot_logits(res.logits, res.tokens, sess.out_dtype))
 
+    def check(self, c, sess, input_ids, scores, last, p):
+        """The Gumbel-max draw after lowering processors (docs/certificates.md §2.3), exact because every uncomputed
+        token's final score plus its noise is below the head's cut (they only lower) and the winner here reaches it;
+        rows where it does not are recomputed with the full head (the same noise, so the law stays exact). Returns a
+        one-hot row (the winner keeps its score) from which stock's sampler can only draw the winner."""
+        g = last.noise[:, p]
+        slack = last.slack[:, p] if last.slack is not None and last.acc is not None else None
+        bad, tok, m = checks.gumbel_unsure(
+            scores, g, last.cut[:, p], None if last.shift is None else last.shift[:, p], slack,
+            lambda: c.processed_interval(input_ids, sess, last, p, scores))
+        if bool(bad.any()):
+            idx = bad.nonzero(as_tuple=True)[0]
+            full = c.rerun(input_ids, scores, sess, last, p, bad)
+            tok = tok.clone()
+            tok[idx] = ((full[idx].float() - m[idx]) + g[idx]).argmax(1)
+            scores = full
+        else:
+            c.log_step(int(scores.shape[0]), 0)
+        return checks.winner_only(scores, tok)
+
 
 @dataclass(frozen=True)
 class ExactBeam(Plan):
@@ -215,6 +304,25 @@ class ExactBeam(Plan):
     def head(self, ch, H, sess, keys=None):
         res = ch.spec(H, BEAM_EPS, out_dtype=sess.out_dtype)
         return res, res.logits
+
+    def check(self, c, sess, input_ids, scores, last, p):
+        """Stash, for hf_csv.beam, an interval [lo, hi] around stock's processed log-prob of every computed token
+        and a bound ``ob`` on every other token's (docs/certificates.md §3.10); return the scores unchanged (the
+        representative row stock's bookkeeping runs on)."""
+        if sess.beam.step is not None:
+            raise CSVError("hf_csv: a certified beam step's intervals were not read by the beam bookkeeping; please "
+                           "report this (generate without csv_config meanwhile)")
+        x = scores.float()
+        complete = None if last is None else last.mask[:, p].all(1)
+        if last is None or bool(complete.all()):  # the full head, or every row over the budget: stock's rows
+            sess.beam.step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
+            return scores
+        lo, hi, ob = beam_logprob_box(sess, input_ids, last, p, stop=c)
+        lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
+        hi = torch.where(complete[:, None], x, torch.maximum(hi, x))
+        sess.beam.step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
+        c.log_step(int(scores.shape[0]), 0)
+        return scores
 
 
 @dataclass(frozen=True)
@@ -234,9 +342,20 @@ class Epsilon(Plan):
     def k(self) -> int:
         return 2 * self.beams
 
+    @property
+    def log_softmax_rows(self) -> bool:
+        return bool(self.beams)
+
     def head(self, ch, H, sess, keys=None):
         res = ch.epsilon(H, self.eps, temperature=self.temperature, out_dtype=sess.out_dtype)
         return res, res.logits
+
+    def check(self, c, sess, input_ids, scores, last, p):
+        """Beam search (approximate): the bound in log-prob space, then each row's top-2·beams (§3.2)."""
+        raw = last.logits[:, p]
+        ob = checks.epsilon_bound(raw, last.mask[:, p].all(1), self.eps)
+        bad = checks.topk_unsure(scores, ob, min(self.k, raw.shape[1]))
+        return c.rerun(input_ids, scores, sess, last, p, bad)
 
 
 def fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -282,6 +401,90 @@ def one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtyp
         bad = (~ok).nonzero(as_tuple=True)[0]
         out[bad] = logits[bad].to(dtype)
     return out
+
+
+# ------------------------------------------------------------------ the checks' Whisper and beam pieces
+def timestamp_unsure(sess: Any, proc: Any, input_ids: torch.Tensor, x: torch.Tensor, ob: torch.Tensor,
+                     computed: torch.Tensor) -> tuple:
+    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax
+    (:func:`hf_csv.checks.timestamp_decision`, docs/certificates.md §3.4).
+
+    The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
+    tokens when logsumexp(timestamps) > max(text) in log-probabilities. Its masks are read by running it on a
+    probe on which (b) cannot fire unless the text is already all masked."""
+    tb = int(proc.timestamp_begin)
+    probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    probe[:, tb:] = -1e4
+    M = proc(input_ids, probe) == float("-inf")
+    xm = x.double().masked_fill(M, float("-inf"))
+    alive = (~computed & ~M).any(1)
+    ok, ts_won = checks.timestamp_decision(xm, tb, ob, alive, getattr(proc, "_detect_timestamp_from_logprob", True))
+    st = sess.reports.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
+                                              "text_decided": 0, "rows_rerun": 0})
+    n = int(x.shape[0])
+    st["rows"] += n
+    st["equal_after_rules"] += int((~alive).sum())
+    st["timestamp_decided"] += int((alive & ok & ts_won).sum())
+    st["text_decided"] += int((alive & ok & ~ts_won).sum())
+    st["rows_rerun"] += int((~ok).sum())
+    # for the avg-logprob record: the rule masks, and the rows whose text the logsumexp rule masks (in stock too)
+    return ~ok, (M, ts_won)
+
+
+
+@dataclass
+class BeamStep:
+    """One beam step's processed log-probs as intervals (the ExactBeam plan; read by hf_csv.beam).
+
+    ``lo`` <= stock's value <= ``hi`` on every token the head computed (float32, [N, V]); ``rep`` (what stock's own
+    bookkeeping receives) lies inside; every other token's stock value is <= ``ob`` ([N], -inf on complete rows)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    rep: torch.Tensor
+    ob: torch.Tensor
+    subvocab: bool = True  # some row is a sub-vocabulary row (False: every row is stock's, the step is exact)
+
+
+def beam_logprob_box(sess: Any, input_ids: torch.Tensor, last: Any, p: int, stop: Any = None):
+    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10): the interval of stock's
+    log_softmax (:func:`hf_csv.checks.logprob_box`), then the processors. Those allowed here (hf_csv.policy) act
+    token by token, monotone and never raising, so running them on the lo row and on the hi row brackets stock's
+    processed value, and ``ob`` stays a bound on every token outside S."""
+    lo, hi, ob = checks.logprob_box(last.logits[:, p], last.mask[:, p],
+                                    checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype))
+    for proc in sess.processors or ():
+        if proc is stop:
+            break
+        if not (getattr(proc, "csv_check", False) or getattr(proc, "csv_identity", False)):
+            lo, hi = proc(input_ids, lo), proc(input_ids, hi)
+    return lo, hi, ob
+
+
+def record_lp(sess: Any, input_ids: torch.Tensor, out: Optional[torch.Tensor], last, p: int,
+               exact: Optional[torch.Tensor], ts=None) -> None:
+    """One greedy step of a Whisper round with ``logprob_threshold`` (read by hf_csv.whisper): per row, an upper
+    bound on the mass stock's kept score row has outside S (log R, absolute), a bound on its float32 summation
+    error (log C, absolute), the hidden states (to replay the stock head where the decision needs it) and the input
+    ids. Rows whose kept row is stock's own (full head, re-run) are marked exact."""
+    if out is None:  # the head call used the full head: the kept rows are stock's
+        sess.whisper.steps.append({"exact_all": True, "ids": input_ids})
+        return
+    B = out.shape[0]
+    S = last.mask[:, p]
+    up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
+    x = out.double()
+    outside = ~S
+    if ts is not None:
+        M, text_masked = ts
+        outside = outside & ~M
+        outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
+    logR = torch.logsumexp(torch.where(outside, up, torch.full_like(up, float("-inf"))), 1)
+    m, _, _, C = checks.normalizer_terms(x, up, outside)
+    ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
+    ex |= S.all(1)
+    sess.whisper.steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
+                          "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
 
 
 # ------------------------------------------------------------------ how each processor relates to a certificate

@@ -13,10 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from .head import CSVSession, _tlog, guard_key
+from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
 from .static import StaticTopK
+from .step import guard_key
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
 # are certified (``_timestamp_plan``), and so is the temperature-fallback decision in greedy rounds (hf_csv.whisper).

@@ -36,8 +36,9 @@ from hf_csv_kernels.verify import gumbel_shift, row_max_finite
 from . import checks
 from .certificate import value_interval
 from .errors import CSVError
-from .head import CSVSession, flush_guard
-from .plan import Epsilon, ExactBeam, Nucleus, Sample, Threshold, TopK, classify_processor, masks_only
+from .head import CSVSession
+from .plan import classify_processor, masks_only
+from .step import check_step, flush_guard
 
 __all__ = ["CSVLogitsProcessor", "GumbelCoupledDraw"]
 
@@ -78,7 +79,8 @@ class CSVLogitsProcessor(LogitsProcessor):
         record: keep ``self.records`` (one dict per step: rows, rows re-run with the full head).
     """
 
-    csv_kind = "csv"  # how hf_csv.policy classifies it: its own processor, always safe
+    csv_kind = "csv"  # how hf_csv.plan classifies it: its own processor, always safe
+    csv_check = True  # the check's place (beam_logprob_box stops here)
 
     def __init__(self, record: bool = False):
         self.record = record
@@ -96,7 +98,7 @@ class CSVLogitsProcessor(LogitsProcessor):
         return _BOUND.get().get(id(self))
 
     @staticmethod
-    def _compiled_step(sess: CSVSession, input_ids: torch.Tensor, stock: bool = False) -> bool:
+    def compiled_step(sess: CSVSession, input_ids: torch.Tensor, stock: bool = False) -> bool:
         """Whether this step's row came from the compiled graph (no eager head call since the last step), whose
         static head certified it with Whisper's fixed suppress list folded in (docs/certificates.md §3.9): nothing
         to check, no stash to read. A processor that lowers only at the first generated step must not fire here."""
@@ -115,75 +117,18 @@ class CSVLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
         if sess is None or sess.guard_pending is None:
-            return self._process(input_ids, scores, sess)
+            return check_step(self, sess, input_ids, scores)
         t0 = time.perf_counter()
-        out = self._process(input_ids, scores, sess)
-        flush_guard(sess, time.perf_counter() - t0)  # the speed guard compares whole steps (hf_csv.head)
+        out = check_step(self, sess, input_ids, scores)
+        flush_guard(sess, time.perf_counter() - t0)  # the speed guard compares whole steps (hf_csv.step)
         return out
 
-    def _process(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
-                 sess: Optional[CSVSession]) -> torch.FloatTensor:
-        if sess is not None and sess.replaced is not None and (
-                not isinstance(sess.plan, Nucleus) or sess.last is None):
-            # this processor took the top-p warper's place, and this step's row is stock's (the call or the head
-            # call went to the full head, e.g. a stopping criterion declined it after the list was built)
-            return sess.replaced(input_ids, scores)
-        if sess is not None and sess.compiled.start is not None and self._compiled_step(sess, input_ids):
-            return scores
-        if sess is not None and sess.compiled.stock and self._compiled_step(sess, input_ids, stock=True):
-            return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
-        plan = sess.plan if sess is not None else None
-        if sess is None or not plan.verify or not isinstance(plan, (TopK, Epsilon, ExactBeam, Threshold, Sample,
-                                                                     Nucleus)):
-            return scores
-        last = sess.last
-        if isinstance(plan, ExactBeam):
-            return self._beam_box(input_ids, scores, sess, last)
-        if last is None:
-            if sess.whisper.record:
-                _record_lp(sess, input_ids, None, None, 0, None)
-            return scores  # the head call of this step used the full head: nothing to check
-        if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
-            raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
-        p = last.position(input_ids.shape[1])
-        if isinstance(plan, Sample):
-            return self._draw(input_ids, scores, sess, last, p)
-        if isinstance(plan, Nucleus):
-            return self._nucleus(input_ids, scores, sess, last, p)
-        raw = last.logits[:, p]
-        k = min(getattr(plan, "k", 1), raw.shape[1])
-        if sess.draft and k > 1 and getattr(plan, "check_after", None) is None:
-            # a sampled draft may use any distribution it returns; it only needs a finite row
-            bad = ~torch.isfinite(scores.amax(1).float())
-            return self._rerun(input_ids, scores, sess, last, p, bad)
-        if isinstance(plan, (TopK, Threshold)):
-            bound = last.bound[:, p]
-            ob = bound.to(raw.dtype)
-            if sess.post is not None and not sess.post.identity:
-                ob = sess.post.apply(ob)
-            ob = ob.float()[:, None]
-            for proc in self._prefix(sess).orders:  # e.g. temperature
-                ob = proc(input_ids, ob)
-            ob = ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
-            ts = None
-            if isinstance(plan, Threshold):
-                bad = checks.min_p_unsure(scores.float(), ob, plan.min_p)
-            elif plan.ts_proc is not None:
-                bad, ts = _timestamp_unsure(sess, input_ids, scores, ob, last.mask[:, p])
-            else:
-                bad = checks.topk_unsure(scores, ob, k)
-                if last.slack is not None and not sess.draft:
-                    bad |= self._set_undecided(input_ids, scores, sess, last, p, k, ob)
-            if sess.whisper.record:
-                out = self._rerun(input_ids, scores, sess, last, p, bad)
-                _record_lp(sess, input_ids, out, last, p, bad, ts)
-                return out
-        else:  # beam, ε-certificate (mode="epsilon"): bound in log-prob space
-            ob = checks.epsilon_bound(raw, last.mask[:, p].all(1), sess.config.beam_epsilon)
-            bad = checks.topk_unsure(scores, ob, k)
-        return self._rerun(input_ids, scores, sess, last, p, bad)
+    # ---------------------------------------------------------- what a plan's check (hf_csv.plan) asks of its place
+    def log_step(self, rows: int, reruns: int) -> None:
+        if self.record:
+            self.records.append({"rows": rows, "reruns": reruns})
 
-    def _prefix(self, sess: CSVSession) -> "_Prefix":
+    def prefix(self, sess: CSVSession) -> "_Prefix":
         """The processors before this one in the call's list, sorted once per call (the list is fixed per call)."""
         got = sess.check_prefix
         if got is None or got.owner is not self:
@@ -199,19 +144,36 @@ class CSVLogitsProcessor(LogitsProcessor):
                 runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
         return got
 
+    def orders(self, sess: CSVSession) -> tuple:
+        """The order-preserving processors before this one (e.g. temperature), which bounds run through."""
+        return self.prefix(sess).orders
+
+    def outside_bound(self, input_ids: torch.Tensor, sess: CSVSession, last, p: int) -> torch.Tensor:
+        """[B] fp32: a bound on every uncomputed token's processed score at this place (docs/certificates.md §3.2):
+        the head's bound through the post-head map and the order-preserving processors before this one (lowering
+        ones only lower it); −inf on complete rows."""
+        bound = last.bound[:, p]
+        ob = bound.to(last.logits.dtype)
+        if sess.post is not None and not sess.post.identity:
+            ob = sess.post.apply(ob)
+        ob = ob.float()[:, None]
+        for proc in self.orders(sess):  # e.g. temperature
+            ob = proc(input_ids, ob)
+        return ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
+
     def _before_me(self, input_ids: torch.Tensor, x: torch.Tensor, sess: CSVSession) -> torch.Tensor:
         """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
         function of that score: "order" and "lower" kinds), as stock runs them."""
-        for proc in self._prefix(sess).every:
+        for proc in self.prefix(sess).every:
             x = proc(input_ids, x)
         return x
 
-    def _processed_interval(self, input_ids, sess, last, p, scores: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def processed_interval(self, input_ids, sess, last, p, scores: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """(f(lo), f(hi)) fp32 [B, V]: the processors before this one applied to the bounds of stock's values at
         position ``p`` (hf_csv.certificate.value_interval); each token's processed score lies between them.
 
-        Where every processor before this one only masks (:func:`hf_csv.policy.masks_only`: each token's output is
+        Where every processor before this one only masks (:func:`hf_csv.plan.masks_only`: each token's output is
         its input or −inf, the set chosen from ``input_ids`` alone) or returns its input, f is one mask M, read off
         this step's processed ``scores`` = f(raw): on a finite raw value, M holds the token iff its score is −inf
         (where raw is −inf so are lo and hi). Then f(x) = where(M, −inf, x) on lo and hi, without running the
@@ -219,98 +181,25 @@ class CSVLogitsProcessor(LogitsProcessor):
         raw = last.logits[:, p]
         lo, hi = value_interval(last.acc[:, p], last.slack[:, p], raw.dtype)
         lo, hi = lo.to(raw.dtype), hi.to(raw.dtype)
-        if scores is not None and self._prefix(sess).masks_only:
+        if scores is not None and self.prefix(sess).masks_only:
             M = (scores == float("-inf")) & torch.isfinite(raw)
             return lo.float().masked_fill(M, float("-inf")), hi.float().masked_fill(M, float("-inf"))
         return (self._before_me(input_ids, lo, sess).float(), self._before_me(input_ids, hi, sess).float())
 
-    def _set_undecided(self, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
+    def set_undecided(self, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
         """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
         are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
         top k is stock's when min over T of f(lo) exceeds every other token's f(hi) and the bound outside S."""
         slack = last.slack[:, p]
         if last.acc is None or not bool((slack > 0).any()):
             return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-        f_lo, f_hi = self._processed_interval(input_ids, sess, last, p, scores)
+        f_lo, f_hi = self.processed_interval(input_ids, sess, last, p, scores)
         return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
 
-    def _draw(self, input_ids, scores, sess, last, p):
-        """Sampling with lowering processors (docs/certificates.md §2.3): the Gumbel-max draw over the final
-        scores, exact because every uncomputed token's final score plus its noise is below the head's cut
-        (lowering processors only lower) and the winner here reaches it; rows where it does not are
-        recomputed with the full head (the same noise, so the law stays exact). Returns a one-hot row
-        (the winner keeps its score) from which stock's sampler can only draw the winner."""
-        g = last.noise[:, p]
-        slack = last.slack[:, p] if last.slack is not None and last.acc is not None else None
-        bad, tok, m = checks.gumbel_unsure(
-            scores, g, last.cut[:, p], None if last.shift is None else last.shift[:, p], slack,
-            lambda: self._processed_interval(input_ids, sess, last, p, scores))
-        if bool(bad.any()):
-            idx = bad.nonzero(as_tuple=True)[0]
-            full = self._rerun(input_ids, scores, sess, last, p, bad)
-            tok = tok.clone()
-            tok[idx] = ((full[idx].float() - m[idx]) + g[idx]).argmax(1)
-            scores = full
-        elif self.record:
-            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
-        return checks.winner_only(scores, tok)
-
-    def _nucleus(self, input_ids, scores, sess, last, p):
-        """Top-p without a top-k (docs/certificates.md §3.5), in the warper's place: stock's warper output where
-        the bounds decide every token's membership of the nucleus, else the full row through stock's warper."""
-        warper = sess.plan.top_p_proc
-        S = last.mask[:, p]
-        up = checks.raise_by_dtype(last.upper[:, p], sess.out_dtype)
-        for proc in self._prefix(sess).orders:  # temperature
-            up = proc(input_ids, up)
-        complete = S.all(1)
-        remove, bad = checks.nucleus_decide(scores, S, up, float(warper.top_p))
-        bad &= ~complete
-        st = sess.reports.setdefault("nucleus", {"rows": 0, "decided_by_bounds": 0, "complete_rows": 0,
-                                               "rows_rerun": 0})
-        st["rows"] += int(scores.shape[0])
-        st["complete_rows"] += int(complete.sum())
-        st["rows_rerun"] += int(bad.sum())
-        st["decided_by_bounds"] += int((~bad & ~complete).sum())
-        out = scores.masked_fill(remove, warper.filter_value)
-        fix = bad | complete
-        if bool(fix.any()):
-            src = self._rerun(input_ids, scores, sess, last, p, bad) if bool(bad.any()) else scores
-            idx = fix.nonzero(as_tuple=True)[0]
-            out[idx] = warper(input_ids[idx], src[idx])  # stock's warper on stock's rows (it works row by row)
-        elif self.record:
-            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
-        return out
-
-    def _beam_box(self, input_ids, scores, sess, last):
-        """Token-identical beam search (docs/certificates.md §3.10): stash, for hf_csv.beam, an interval
-        [lo, hi] around stock's processed log-prob of every computed token and a bound ``ob`` on every other
-        token's; return the scores unchanged (the representative row stock's bookkeeping runs on)."""
-        if sess.beam.step is not None:
-            raise CSVError("hf_csv: a certified beam step's intervals were not read by the beam bookkeeping; please "
-                           "report this (generate without csv_config meanwhile)")
-        x = scores.float()
-        if last is None:  # the head call used the full head: stock's row, exactly
-            sess.beam.step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
-            return scores
-        p = last.position(input_ids.shape[1])
-        complete = last.mask[:, p].all(1)
-        if bool(complete.all()):  # every row over the budget: the head returned stock's rows
-            sess.beam.step = BeamStep(lo=x, hi=x, rep=x, ob=torch.full_like(x[:, 0], float("-inf")), subvocab=False)
-            return scores
-        lo, hi, ob = beam_logprob_box(sess, input_ids, last, p, stop=self)
-        lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
-        hi = torch.where(complete[:, None], x, torch.maximum(hi, x))
-        sess.beam.step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
-        if self.record:
-            self.records.append({"rows": int(scores.shape[0]), "reruns": 0})
-        return scores
-
-    def _rerun(self, input_ids, scores, sess, last, p, bad):
+    def rerun(self, input_ids, scores, sess, last, p, bad):
         """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
         nbad = int(bad.sum())
-        if self.record:
-            self.records.append({"rows": int(scores.shape[0]), "reruns": nbad})
+        self.log_step(int(scores.shape[0]), nbad)
         if nbad == 0:
             return scores
         sess.verify_reruns += nbad
@@ -325,39 +214,11 @@ class CSVLogitsProcessor(LogitsProcessor):
         if sess.post is not None and not sess.post.identity:
             raw = sess.post.apply(raw)
         new = raw.float()
-        if isinstance(sess.plan, Epsilon) and sess.plan.beams:
+        if sess.plan.log_softmax_rows:
             new = torch.log_softmax(new, dim=-1)
-        for proc in self._prefix(sess).runs:  # (not a no-speech detector's forward: once is enough)
+        for proc in self.prefix(sess).runs:  # (not a no-speech detector's forward: once is enough)
             new = proc(input_ids, new)
         return new
-
-
-def _timestamp_unsure(sess: CSVSession, input_ids: torch.Tensor, x: torch.Tensor, ob: torch.Tensor,
-                      computed: torch.Tensor) -> torch.Tensor:
-    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax
-    (:func:`hf_csv.checks.timestamp_decision`, docs/certificates.md §3.4).
-
-    The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
-    tokens when logsumexp(timestamps) > max(text) in log-probabilities. Its masks are read by running it on a
-    probe on which (b) cannot fire unless the text is already all masked."""
-    proc = sess.plan.ts_proc
-    tb = int(proc.timestamp_begin)
-    probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    probe[:, tb:] = -1e4
-    M = proc(input_ids, probe) == float("-inf")
-    xm = x.double().masked_fill(M, float("-inf"))
-    alive = (~computed & ~M).any(1)
-    ok, ts_won = checks.timestamp_decision(xm, tb, ob, alive, getattr(proc, "_detect_timestamp_from_logprob", True))
-    st = sess.reports.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
-                                              "text_decided": 0, "rows_rerun": 0})
-    n = int(x.shape[0])
-    st["rows"] += n
-    st["equal_after_rules"] += int((~alive).sum())
-    st["timestamp_decided"] += int((alive & ok & ts_won).sum())
-    st["text_decided"] += int((alive & ok & ~ts_won).sum())
-    st["rows_rerun"] += int((~ok).sum())
-    # for the avg-logprob record: the rule masks, and the rows whose text the logsumexp rule masks (in stock too)
-    return ~ok, (M, ts_won)
 
 
 class FullHeadDuring(LogitsProcessor):
@@ -410,61 +271,6 @@ def stock_processed(sess: CSVSession, raw: torch.Tensor, input_ids: torch.Tensor
         if not (isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False)):
             x = proc(input_ids, x)
     return x
-
-
-@dataclass
-class BeamStep:
-    """One beam step's processed log-probs as intervals (beam_exact mode; read by hf_csv.beam).
-
-    ``lo`` <= stock's value <= ``hi`` on every token the head computed (float32, [N, V]); ``rep`` (what stock's own
-    bookkeeping receives) lies inside; every other token's stock value is <= ``ob`` ([N], -inf on complete rows)."""
-
-    lo: torch.Tensor
-    hi: torch.Tensor
-    rep: torch.Tensor
-    ob: torch.Tensor
-    subvocab: bool = True  # some row is a sub-vocabulary row (False: every row is stock's, the step is exact)
-
-
-def beam_logprob_box(sess: CSVSession, input_ids: torch.Tensor, last, p: int, stop: Optional[LogitsProcessor] = None):
-    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10): the interval of stock's
-    log_softmax (:func:`hf_csv.checks.logprob_box`), then the processors. Those allowed here (hf_csv.policy) act
-    token by token, monotone and never raising, so running them on the lo row and on the hi row brackets stock's
-    processed value, and ``ob`` stays a bound on every token outside S."""
-    lo, hi, ob = checks.logprob_box(last.logits[:, p], last.mask[:, p],
-                                    checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype))
-    for proc in sess.processors or ():
-        if proc is stop:
-            break
-        if not (isinstance(proc, CSVLogitsProcessor) or getattr(proc, "csv_identity", False)):
-            lo, hi = proc(input_ids, lo), proc(input_ids, hi)
-    return lo, hi, ob
-
-
-def _record_lp(sess: CSVSession, input_ids: torch.Tensor, out: Optional[torch.Tensor], last, p: int,
-               exact: Optional[torch.Tensor], ts=None) -> None:
-    """One greedy step of a Whisper round with ``logprob_threshold`` (read by hf_csv.whisper): per row, an upper
-    bound on the mass stock's kept score row has outside S (log R, absolute), a bound on its float32 summation
-    error (log C, absolute), the hidden states (to replay the stock head where the decision needs it) and the input
-    ids. Rows whose kept row is stock's own (full head, re-run) are marked exact."""
-    if out is None:  # the head call used the full head: the kept rows are stock's
-        sess.whisper.steps.append({"exact_all": True, "ids": input_ids})
-        return
-    B = out.shape[0]
-    S = last.mask[:, p]
-    up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
-    x = out.double()
-    outside = ~S
-    if ts is not None:
-        M, text_masked = ts
-        outside = outside & ~M
-        outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
-    logR = torch.logsumexp(torch.where(outside, up, torch.full_like(up, float("-inf"))), 1)
-    m, _, _, C = checks.normalizer_terms(x, up, outside)
-    ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
-    ex |= S.all(1)
-    sess.whisper.steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
-                          "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
 
 
 class GumbelCoupledDraw(LogitsProcessor):

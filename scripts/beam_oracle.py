@@ -106,7 +106,7 @@ def main() -> None:
 
     orig_spec = cert.CertifiedHead.spec
     cert.CertifiedHead.spec = spec
-    proc.beam_logprob_box = box
+    plan.beam_logprob_box = box
 
     @atexit.register
     def _report() -> None:

@@ -16,7 +16,6 @@ import torch
 import hf_csv
 import hf_csv.beam as hb
 import hf_csv.plan as hplan
-import hf_csv.processors as hp
 from hf_csv import CSVConfig
 from hf_csv.errors import CSVError
 
@@ -96,18 +95,17 @@ def test_intervals_contain_stock(monkeypatch, arch, dtype):
     """At every certified step, stock's processed log-prob (stock's head on the step's hidden states, its
     log_softmax, the call's processors) lies in [lo, hi] on the computed tokens and below ob elsewhere."""
     checked = []
-    orig = hp.CSVLogitsProcessor._beam_box
+    orig = hplan.ExactBeam.check
 
-    def box(self, input_ids, scores, sess, last):
-        out = orig(self, input_ids, scores, sess, last)
+    def box(self, c, sess, input_ids, scores, last, p):
+        out = orig(self, c, sess, input_ids, scores, last, p)
         st = sess.beam.step
         if last is not None:
             B, P, d = last.H.shape
-            p = last.position(input_ids.shape[1])
             raw = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)[:, p]
             ref = torch.log_softmax(raw.float(), dim=-1)
             for proc in sess.processors:
-                if proc is self:
+                if proc is c:
                     break
                 ref = proc(input_ids, ref)
             S = last.mask[:, p]
@@ -121,7 +119,7 @@ def test_intervals_contain_stock(monkeypatch, arch, dtype):
             checked.append(int(((mass > 1e-5) & ~S.all(1)).sum()))
         return out
 
-    monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
+    monkeypatch.setattr(hplan.ExactBeam, "check", box)
     monkeypatch.setattr(hplan, "BEAM_EPS", 0.3)  # leave real mass outside S, so that the R term of the interval is tested
     for nb, batch in ((2, 1), (4, 3)):
         _, a, b, _ = _run(arch, dtype, nb, batch, {"repetition_penalty": 1.2})
@@ -180,7 +178,7 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
     from transformers.generation.utils import GenerationMixin
 
     from hf_csv.head import CSVSession, _ACTIVE
-    from hf_csv.processors import BeamStep
+    from hf_csv.plan import BeamStep
 
     m = _model("llama", torch.float32, 1)
     nb, V = rep_rows.shape
@@ -247,10 +245,10 @@ def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, b
     the box's *ends* (rows alternately at lo and hi, a poor representative on purpose) must still return stock's
     tokens, or re-run the call. (On these tiny heads the decisions are far apart, so this holds even without the
     checks; the crafted tests above are the ones that fail when a check is removed.)"""
-    orig = hp.CSVLogitsProcessor._beam_box
+    orig = hplan.ExactBeam.check
 
-    def box(self, input_ids, scores, sess, last):
-        out = orig(self, input_ids, scores, sess, last)
+    def box(self, c, sess, input_ids, scores, last, p):
+        out = orig(self, c, sess, input_ids, scores, last, p)
         st = sess.beam.step
         if not st.subvocab:
             return out
@@ -260,7 +258,7 @@ def test_any_point_of_the_box_gives_stock_tokens(monkeypatch, arch, dtype, nb, b
         st.rep = rep
         return rep.to(out.dtype)
 
-    monkeypatch.setattr(hp.CSVLogitsProcessor, "_beam_box", box)
+    monkeypatch.setattr(hplan.ExactBeam, "check", box)
     monkeypatch.setattr(hplan, "BEAM_EPS", 0.5)
     m, a, b, st = _run(arch, dtype, nb, batch, extra)
     assert torch.equal(_seqs(a), _seqs(b)), f"tokens differ: {_seqs(a).tolist()} vs {_seqs(b).tolist()}"

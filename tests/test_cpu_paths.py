@@ -464,17 +464,17 @@ def test_speed_guard_counts_the_processor_step(monkeypatch, assume_subset_exact)
     import time as _time
 
     import hf_csv
-    import hf_csv.processors as P
+    import hf_csv.plan as plan
     import hf_csv.speed as speed
 
     monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)
-    real = P.CSVLogitsProcessor._nucleus
+    real = plan.Nucleus.check
 
     def slow_nucleus(self, *a, **k):
         _time.sleep(0.02)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(P.CSVLogitsProcessor, "_nucleus", slow_nucleus)
+    monkeypatch.setattr(plan.Nucleus, "check", slow_nucleus)
     m, ids = _tiny_llama()
     gen = dict(max_new_tokens=24, do_sample=True, top_k=0, top_p=0.9, temperature=0.7)
     torch.manual_seed(3)

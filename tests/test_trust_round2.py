@@ -517,7 +517,7 @@ def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
     from hf_csv.processors import CSVLogitsProcessor
 
     _perturbing_values(monkeypatch, seed=2)
-    orig = CSVLogitsProcessor._processed_interval
+    orig = CSVLogitsProcessor.processed_interval
     seen = {"fast": 0}
 
     def both(self, input_ids, sess, last, p, scores=None):
@@ -527,7 +527,7 @@ def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
         seen["fast"] += scores is not None
         return got
 
-    monkeypatch.setattr(CSVLogitsProcessor, "_processed_interval", both)
+    monkeypatch.setattr(CSVLogitsProcessor, "processed_interval", both)
     ref = tiny_llama(vocab=512, scale=20.0)
     with torch.no_grad():
         ref.lm_head.weight[256:] = ref.lm_head.weight[:256]

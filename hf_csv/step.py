@@ -1,0 +1,227 @@
+"""One decode step of a certified call, in order (the only place the step's flow lives):
+
+1. **Head step** (:func:`head_step`, called by the swapped head :class:`hf_csv.head.CSVHead`): stock's head where
+   the call's plan is :class:`~hf_csv.plan.Full`, the rows' token indices are unknown, a round has no drafts, the
+   screen is still being packed or the speed guard measured stock's head faster; else the plan's head call
+   (:meth:`hf_csv.plan.Plan.head`) on the certified head, and a :class:`StepStash` of what the check needs.
+2. **Check step** (:func:`check_step`, called by :class:`hf_csv.processors.CSVLogitsProcessor` at its place in the
+   processor list, :meth:`~hf_csv.plan.Plan.placement`): nothing on a step the head left to stock or a compiled
+   graph certified; else the plan's check (:meth:`hf_csv.plan.Plan.check`), which proves each row's outcome stock's
+   or recomputes the row with stock's head.
+3. transformers picks the token (argmax or its sampler) from a row that is provably stock's.
+
+Per-step state is the call's (:class:`hf_csv.head.CSVSession`: ``last``, ``fed_total``, ``guard_pending``); the
+plan is a frozen value. Core: no transformers import.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hf_csv_kernels.threads import rows_bucket
+
+from .errors import CSVError
+from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
+
+__all__ = ["StepStash", "head_step", "check_step", "guard_key", "flush_guard"]
+
+
+@dataclass
+class StepStash:
+    """What the last head call saw, for the check step.
+
+    All P positions of the call are kept: assisted decoding verifies L+1 positions from one head
+    call and runs the processors once per position. ``fed_total`` is the sequence length the model
+    had consumed after this call (cache + new tokens); position p of the call predicts the token
+    at index ``fed_total - (P - 1 - p)``, which is how the check finds its row.
+    """
+
+    H: torch.Tensor  # [B, P, d] hidden states (views, not copies), in the model dtype
+    logits: torch.Tensor  # [B, P, V] the dense certified logits returned (model dtype, before the post map)
+    mask: Optional[torch.Tensor]  # [B, P, V] bool: certified S (all True on fallback rows)
+    fed_total: Optional[int] = None
+    # [B, P] every token outside S has a stock logit (model dtype, before the post map) <= bound
+    bound: Optional[torch.Tensor] = None
+    noise: Optional[torch.Tensor] = None  # [B, P, V] Sample plan, draw after the processors: Gumbel noise
+    cut: Optional[torch.Tensor] = None  # [B, P] ... and the cut every uncomputed token stays below
+    shift: Optional[torch.Tensor] = None  # [B, P] ... in units shifted by this (CertResult.shift)
+    upper: Optional[torch.Tensor] = None  # [B, P, V] bound on stock's fp32 logit of every token (Nucleus, beams)
+    # [B, P, V] stock's head on all B·P rows, computed once by the first re-run that needs it: assisted decoding
+    # checks up to P positions of one call, and each re-run would otherwise repeat the whole GEMM
+    stock_full: Optional[torch.Tensor] = None
+    # [B, P] fp32: each value of the row comes from an accumulator within slack of stock's (0: stock's own row)
+    slack: Optional[torch.Tensor] = None
+    acc: Optional[torch.Tensor] = None  # [B, P, V] fp32: our accumulators on S (hf_csv.certificate.value_interval)
+
+    def position(self, input_len: int) -> int:
+        """Index p of the position whose logits the processor sees with ``input_len`` input tokens."""
+        P = self.logits.shape[1]
+        if P == 1:
+            return 0
+        if self.fed_total is None:
+            raise CSVError("hf_csv: cannot tell which of several positions is being processed")
+        p = P - 1 - (self.fed_total - input_len)
+        if not 0 <= p < P:
+            raise CSVError(f"hf_csv: processor input length {input_len} does not match the head call "
+                           f"({P} positions ending at {self.fed_total})")
+        return p
+
+
+def _full(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """This head call uses stock's head (counted); the check then has nothing to check."""
+    sess.full_calls += 1
+    sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
+    if sess.verify:
+        sess.last = None
+    sess.last_out = None
+    return inner(hidden)
+
+
+def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """One head call of a certified call: dense logits [..., V] in the model dtype, exact on the plan's certified
+    set S and what the plan says elsewhere (−inf, or the one-hot draw); stock's where this step cannot be certified.
+    ``inner`` is stock's head module."""
+    sess.head_calls += 1
+    plan = sess.plan
+    if isinstance(plan, Full) or hidden.numel() == 0 or (
+            plan.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
+        # (the last case: several positions whose token index is unknown, e.g. inputs_embeds; the check could
+        # not find its row)
+        return _full(sess, inner, hidden)
+    if sess.spec_full_next:
+        # no drafts this round (hf_csv.candidate): stock samples from this row itself, so it must be complete
+        sess.spec_full_next = False
+        return _full(sess, inner, hidden)
+    keys = None
+    if isinstance(plan, Sample) and sess.gumbel is not None:
+        # Gumbel-coupled draws: the noise of each row is that of the token index it predicts
+        keys = _token_keys(sess, hidden)
+        if keys is None:
+            sess.note("Gumbel-coupled draw with unknown token indices (inputs_embeds or batch > 1): full head "
+                      "for those steps (the draw then happens on the full row, with the same noise)")
+            return _full(sess, inner, hidden)
+    lead, d = hidden.shape[:-1], hidden.shape[-1]
+    H = hidden.reshape(-1, d)
+    ch = sess.head
+    if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
+        H = H.to(ch.weight.device)
+    ready = getattr(ch, "ready", None)  # (the vocabulary-parallel head builds synchronously on every rank)
+    if ready is not None and not ready(H):  # first call on a large head: the screen is still being packed
+        sess.note("the int8 screen is still being packed (first call): full head for these steps")
+        return _full(sess, inner, hidden)
+    guard = getattr(ch, "_speed_guard", None)
+    gkey = None
+    if guard is not None and guard.enabled():
+        flush_guard(sess)  # a record the check did not complete (it did not run after that head call)
+        gkey = guard_key(sess, H.shape[0])
+        if not guard.certified(gkey, rows=H.shape[0]):
+            sess.note("the full head is measured faster than the certified one for this shape, or is being "
+                      "re-measured (a periodic probe of the speed guard, hf_csv.speed)")
+            t0 = time.perf_counter()
+            out = _full(sess, inner, hidden)
+            _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
+            return out
+        t0 = time.perf_counter()
+    if sess.spec_pending and isinstance(plan, Bounded):
+        # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
+        # -inf-padded logits; refuse rather than let a restricted row be sampled from
+        raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
+                       "please report this (generate without csv_config meanwhile)")
+    res, out = plan.head(ch, H, sess, keys)
+    if sess.config.stats:
+        sess.stats.merge(res.stats)
+    out = out.view(*lead, out.shape[-1])
+    sess.last_out = out
+    if plan.verify:
+        sess.last = _stash(res, hidden, H, out, sess.fed_total)
+        sess.spec_pending = isinstance(plan, Bounded)
+    if gkey is not None:
+        _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
+    return out
+
+
+def _stash(res: Any, hidden: torch.Tensor, H: torch.Tensor, out: torch.Tensor, fed_total: Optional[int]) -> StepStash:
+    B, P = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (H.shape[0], 1)
+    V, d = out.shape[-1], hidden.shape[-1]
+
+    def bp(t: Optional[torch.Tensor], *rest: int) -> Optional[torch.Tensor]:
+        return None if t is None else t.view(B, P, *rest)
+
+    acc = res.acc_dense().view(B, P, V) if res.slack is not None and res.acc is not None else None
+    return StepStash(H=hidden.reshape(B, P, d), logits=out.reshape(B, P, V), mask=res.mask.view(B, P, V),
+                     fed_total=fed_total, bound=bp(res.bound), noise=bp(res.noise, V), cut=bp(res.cut),
+                     shift=bp(res.shift), upper=bp(res.upper, V), slack=bp(res.slack), acc=acc)
+
+
+def check_step(c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The check at the CSVLogitsProcessor ``c``'s place: ``scores`` as stock's processors left them up to there,
+    provably (rows it cannot prove are recomputed with stock's head and re-processed)."""
+    if sess is None:
+        return scores
+    plan = sess.plan
+    if sess.replaced is not None and (not isinstance(plan, Nucleus) or sess.last is None):
+        # the check took the top-p warper's place, and this step's row is stock's (the call or the head call went
+        # to the full head, e.g. a stopping criterion declined it after the list was built)
+        return sess.replaced(input_ids, scores)
+    if sess.compiled.start is not None and c.compiled_step(sess, input_ids):
+        return scores
+    if sess.compiled.stock and c.compiled_step(sess, input_ids, stock=True):
+        return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
+    if not plan.verify or not plan.checks_rows:
+        return scores
+    last = sess.last
+    if last is None and not isinstance(plan, ExactBeam):
+        if sess.whisper.record:
+            record_lp(sess, input_ids, None, None, 0, None)
+        return scores  # the head call of this step used the full head: nothing to check
+    p = None
+    if last is not None:
+        if last.logits.shape[0] != scores.shape[0]:  # pragma: no cover - invariant of generate
+            raise CSVError(f"hf_csv: processor batch {scores.shape[0]} != head batch {last.logits.shape[0]}")
+        p = last.position(input_ids.shape[1])
+    return plan.check(c, sess, input_ids, scores, last, p)
+
+
+# ------------------------------------------------------------------ the speed guard's record of a step
+def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
+    """The token index each row of a head call predicts (see :meth:`StepStash.position`): batch size 1 only (as
+    assisted decoding), None when unknown."""
+    P = hidden.shape[1] if hidden.dim() == 3 else 1
+    B = hidden.shape[0] if hidden.dim() >= 2 else 1
+    if B != 1 or sess.fed_total is None:
+        return None
+    return [sess.fed_total - (P - 1 - p) for p in range(P)]
+
+
+def guard_key(sess: Any, rows: int) -> tuple:
+    """The speed guard's key of a head call of ``rows`` rows in this session (hf_csv.speed)."""
+    return (*sess.plan.guard_tag, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
+
+
+def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: float, hidden: torch.Tensor) -> None:
+    """Record a head call's time with the speed guard, or leave it for the step's check to complete.
+
+    When a check runs after a one-position head call (``plan.verify``, not assisted), the step's cost of each side
+    includes what the check does for it: the certificate's check on a certified row, stock's warper on a full one
+    (the Nucleus check replaces stock's top-p warper, whose sort over V costs about a third of SmolLM2's head). The
+    guard then compares whole steps, not head calls (hf_csv.speed)."""
+    sess.guard_pending = (guard, gkey, certified, seconds)
+    one = hidden.dim() < 3 or hidden.shape[-2] == 1
+    if not (sess.verify and one and not (sess.assisted or sess.draft)):
+        flush_guard(sess)  # no check step completes this one: record the head call alone
+
+
+def flush_guard(sess: Any, extra_seconds: float = 0.0) -> None:
+    """Complete the pending speed-guard record of the last head call (adding ``extra_seconds``, the check's time of
+    the same step) and report the guard's current choice in the call's stats."""
+    got, sess.guard_pending = sess.guard_pending, None
+    if got is None:
+        return
+    guard, gkey, certified, seconds = got
+    guard.record(gkey, certified, seconds + extra_seconds)
+    summ = guard.summary(gkey)
+    if summ is not None:
+        sess.reports["speed_guard"] = summ
