@@ -183,7 +183,7 @@ def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
     def get_candidates(*args: Any, **kwargs: Any):
         ids, logits = inner(*args, **kwargs)
         if logits is None and isinstance(sess.plan, Bounded):
-            sess.spec_full_next = True
+            sess.step.spec_full_next = True
         if logits is None and sess.gumbel is not None:
             sess.assist.no_drafts = True  # stock samples from the target's row: the keyed draw makes it
         return ids, logits

@@ -132,7 +132,7 @@ def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwa
             out = call(*args, **kwargs)
     if spec is not None and spec.calls:
         sess.reports["speculative"] = spec.summary()
-    if sess.spec_pending:  # pragma: no cover - hf_csv.candidate makes this call complete; never return it silently
+    if sess.step.spec_pending:  # pragma: no cover - hf_csv.candidate makes this call complete; never return it silently
         raise CSVError("hf_csv: the last certified head call of assisted sampling was not read by hf_csv's verify; "
                        "its tokens may not follow the model's law. Please report this; generate without "
                        "csv_config meanwhile.")
@@ -147,8 +147,8 @@ def _beam_restart(sess: CSVSession, why: str) -> None:
     st["certified_steps"] = st["subvocab_steps"] = 0
     sess.stats = type(sess.stats)()  # the returned tokens come from the re-run: its rows are what count
     sess.beam.step = sess.beam.state = None
-    sess.last = None
-    sess.guard_pending = None
+    sess.step.last = None
+    sess.step.guard_pending = None
     sess.beam.restart = f"{why}; this call re-ran its beam search on the full head"
 
 

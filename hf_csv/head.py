@@ -32,7 +32,7 @@ from .config import CSVConfig
 from .errors import CSVError
 from .plan import FULL, Full, Plan
 from .posthead import PostHead, check_output
-from .step import StepStash, head_step
+from .step import StepState, head_step
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class CSVSession:
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
     plan: Plan = FULL  # the call's certificate (hf_csv.plan), chosen by hf_csv.policy.decide_mode
+    step: StepState = field(default_factory=lambda: StepState())  # what one step hands to the next part of it
     reasons: list = field(default_factory=list)
     stats: CertStats = field(default_factory=CertStats)
     head_calls: int = 0
@@ -103,20 +104,12 @@ class CSVSession:
     declined_rows: int = 0  # rows computed by the full head because the call was declined (see reasons)
     verify_reruns: int = 0
     post_checked: bool = False  # the run-time guard of the post-head map ran for this call
-    last_out: Optional[torch.Tensor] = None  # what the head returned last (for the guard)
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
     replaced: Any = None  # the processor whose place the CSVLogitsProcessor took in that list (Nucleus: top-p)
-    last: Optional[StepStash] = None
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
     spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use mode "spec"
-    spec_pending: bool = False  # spec mode: a head call's bounds wait for the verify (hf_csv.verify)
-    spec_full_next: bool = False  # spec mode: the next head call is read by stock's sampler itself (no drafts)
-    fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook)
-    # the speed guard's record of the last head call, completed with the CSVLogitsProcessor's time of the same
-    # step (hf_csv.speed): (guard, key, certified, seconds in the head) or None
-    guard_pending: Optional[tuple] = None
     whisper: WhisperRecord = field(default_factory=lambda: WhisperRecord())
     beam: BeamRecord = field(default_factory=lambda: BeamRecord())
     assist: AssistRecord = field(default_factory=lambda: AssistRecord())
@@ -362,7 +355,7 @@ class CSVHead(nn.Module):
 def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:
     """Run-time guard (once per call): the model returned ``post(head output)`` as registered in
     :mod:`hf_csv.posthead`. A model whose code does something else raises instead of decoding on."""
-    out = sess.last_out
+    out = sess.step.last_out
     if sess.post_checked or out is None or model_logits is None or sess.post is None:
         return
     sess.post_checked = True

@@ -116,7 +116,7 @@ class CSVLogitsProcessor(LogitsProcessor):
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
-        if sess is None or sess.guard_pending is None:
+        if sess is None or sess.step.guard_pending is None:
             return check_step(self, sess, input_ids, scores)
         t0 = time.perf_counter()
         out = check_step(self, sess, input_ids, scores)
@@ -237,20 +237,20 @@ class FullHeadDuring(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         sess = self.session
         inner = self.inner
-        if (int(getattr(inner, "start_of_trans_offset", 2)) <= 1 and sess.last is not None
+        if (int(getattr(inner, "start_of_trans_offset", 2)) <= 1 and sess.step.last is not None
                 and input_ids.shape[1] == getattr(inner, "begin_index", -1)):
             inner(input_ids, self._stock_scores(input_ids, sess))  # reads that row, returns it unchanged
             return scores
-        fed = sess.fed_total
+        fed = sess.step.fed_total
         sess.exact_depth += 1
         try:
             return inner(input_ids, scores)
         finally:
             sess.exact_depth -= 1
-            sess.fed_total = fed
+            sess.step.fed_total = fed
 
     def _stock_scores(self, input_ids: torch.Tensor, sess: CSVSession) -> torch.Tensor:
-        last = sess.last
+        last = sess.step.last
         B, P, d = last.H.shape
         p = last.position(input_ids.shape[1])
         sess.reports["processor_stock_rows"] = sess.reports.get("processor_stock_rows", 0) + B

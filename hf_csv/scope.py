@@ -122,9 +122,9 @@ def certified(model: nn.Module, sess: CSVSession):
             yield sess
         finally:
             _compiled_stats(sess)
-            sess.guard_pending = None  # (a head call no processor step followed: its time alone would mislead)
-            sess.last = None  # drop the stashed tensors with the call
-            sess.last_out = None
+            sess.step.guard_pending = None  # (a head call no processor step followed: its time alone would mislead)
+            sess.step.last = None  # drop the stashed tensors with the call
+            sess.step.last_out = None
 
 
 def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
@@ -270,15 +270,15 @@ def _track_length(module: nn.Module, args: tuple, kwargs: dict):
     if ids is None:
         ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
     if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
-        sess.fed_total = None
+        sess.step.fed_total = None
         return None
     pkv = kwargs.get("past_key_values")
     try:
         past = int(pkv.get_seq_length()) if pkv is not None else 0
     except (AttributeError, TypeError):
-        sess.fed_total = None
+        sess.step.fed_total = None
         return None
-    sess.fed_total = past + int(ids.shape[-1])
+    sess.step.fed_total = past + int(ids.shape[-1])
     return None
 
 
@@ -287,7 +287,7 @@ def _check_post(module: nn.Module, args: tuple, output: Any):
     if torch.compiler.is_compiling():  # (the eager prefill of the same call runs the guard)
         return None
     sess = active_session(module)
-    if sess is not None and not sess.exact_depth and not sess.post_checked and sess.last_out is not None:
+    if sess is not None and not sess.exact_depth and not sess.post_checked and sess.step.last_out is not None:
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
             logits = output[0]

@@ -26,7 +26,7 @@ from hf_csv_kernels.threads import rows_bucket
 from .errors import CSVError
 from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
 
-__all__ = ["StepStash", "head_step", "check_step", "guard_key", "flush_guard"]
+__all__ = ["StepStash", "StepState", "head_step", "check_step", "guard_key", "flush_guard"]
 
 
 @dataclass
@@ -70,13 +70,27 @@ class StepStash:
         return p
 
 
+@dataclass
+class StepState:
+    """The per-step state of one call (``CSVSession.step``): what one part of a decode step hands to the next."""
+
+    fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook, hf_csv.scope)
+    last: Optional[StepStash] = None  # the last certified head call, for the check step
+    last_out: Optional[torch.Tensor] = None  # what the head returned last (the post-head guard, hf_csv.head)
+    # the speed guard's record of the last head call, completed with the check step's time of the same step
+    # (hf_csv.speed): (guard, key, certified, seconds in the head) or None
+    guard_pending: Optional[tuple] = None
+    spec_pending: bool = False  # Bounded plan: a head call's bounds wait for hf_csv's verify
+    spec_full_next: bool = False  # Bounded plan: the next head call is read by stock's sampler itself (no drafts)
+
+
 def _full(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     """This head call uses stock's head (counted); the check then has nothing to check."""
     sess.full_calls += 1
     sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
     if sess.verify:
-        sess.last = None
-    sess.last_out = None
+        sess.step.last = None
+    sess.step.last_out = None
     return inner(hidden)
 
 
@@ -87,13 +101,13 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     sess.head_calls += 1
     plan = sess.plan
     if isinstance(plan, Full) or hidden.numel() == 0 or (
-            plan.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.fed_total is None):
+            plan.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.step.fed_total is None):
         # (the last case: several positions whose token index is unknown, e.g. inputs_embeds; the check could
         # not find its row)
         return _full(sess, inner, hidden)
-    if sess.spec_full_next:
+    if sess.step.spec_full_next:
         # no drafts this round (hf_csv.candidate): stock samples from this row itself, so it must be complete
-        sess.spec_full_next = False
+        sess.step.spec_full_next = False
         return _full(sess, inner, hidden)
     keys = None
     if isinstance(plan, Sample) and sess.gumbel is not None:
@@ -125,7 +139,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
             _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
             return out
         t0 = time.perf_counter()
-    if sess.spec_pending and isinstance(plan, Bounded):
+    if sess.step.spec_pending and isinstance(plan, Bounded):
         # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
         # -inf-padded logits; refuse rather than let a restricted row be sampled from
         raise CSVError("hf_csv: the certified verify did not run after a 'spec' head call; "
@@ -134,10 +148,10 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     if sess.config.stats:
         sess.stats.merge(res.stats)
     out = out.view(*lead, out.shape[-1])
-    sess.last_out = out
+    sess.step.last_out = out
     if plan.verify:
-        sess.last = _stash(res, hidden, H, out, sess.fed_total)
-        sess.spec_pending = isinstance(plan, Bounded)
+        sess.step.last = _stash(res, hidden, H, out, sess.step.fed_total)
+        sess.step.spec_pending = isinstance(plan, Bounded)
     if gkey is not None:
         _guard_record(sess, guard, gkey, True, time.perf_counter() - t0, hidden)
     return out
@@ -162,7 +176,7 @@ def check_step(c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor)
     if sess is None:
         return scores
     plan = sess.plan
-    if sess.replaced is not None and (not isinstance(plan, Nucleus) or sess.last is None):
+    if sess.replaced is not None and (not isinstance(plan, Nucleus) or sess.step.last is None):
         # the check took the top-p warper's place, and this step's row is stock's (the call or the head call went
         # to the full head, e.g. a stopping criterion declined it after the list was built)
         return sess.replaced(input_ids, scores)
@@ -172,7 +186,7 @@ def check_step(c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor)
         return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
     if not plan.verify or not plan.checks_rows:
         return scores
-    last = sess.last
+    last = sess.step.last
     if last is None and not isinstance(plan, ExactBeam):
         if sess.whisper.record:
             record_lp(sess, input_ids, None, None, 0, None)
@@ -191,9 +205,9 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
     assisted decoding), None when unknown."""
     P = hidden.shape[1] if hidden.dim() == 3 else 1
     B = hidden.shape[0] if hidden.dim() >= 2 else 1
-    if B != 1 or sess.fed_total is None:
+    if B != 1 or sess.step.fed_total is None:
         return None
-    return [sess.fed_total - (P - 1 - p) for p in range(P)]
+    return [sess.step.fed_total - (P - 1 - p) for p in range(P)]
 
 
 def guard_key(sess: Any, rows: int) -> tuple:
@@ -208,7 +222,7 @@ def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: 
     includes what the check does for it: the certificate's check on a certified row, stock's warper on a full one
     (the Nucleus check replaces stock's top-p warper, whose sort over V costs about a third of SmolLM2's head). The
     guard then compares whole steps, not head calls (hf_csv.speed)."""
-    sess.guard_pending = (guard, gkey, certified, seconds)
+    sess.step.guard_pending = (guard, gkey, certified, seconds)
     one = hidden.dim() < 3 or hidden.shape[-2] == 1
     if not (sess.verify and one and not (sess.assisted or sess.draft)):
         flush_guard(sess)  # no check step completes this one: record the head call alone
@@ -217,7 +231,7 @@ def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: 
 def flush_guard(sess: Any, extra_seconds: float = 0.0) -> None:
     """Complete the pending speed-guard record of the last head call (adding ``extra_seconds``, the check's time of
     the same step) and report the guard's current choice in the call's stats."""
-    got, sess.guard_pending = sess.guard_pending, None
+    got, sess.step.guard_pending = sess.step.guard_pending, None
     if got is None:
         return
     guard, gkey, certified, seconds = got

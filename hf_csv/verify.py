@@ -141,8 +141,8 @@ def speculative_sampling_certified(
     Limits: the processors between head and verify must be temperature warpers only (hf_csv.policy sets
     mode "spec" only then) and the post-head map the identity; batch size 1.
     """
-    st = session.last
-    session.spec_pending = False
+    st = session.step.last
+    session.step.spec_pending = False
     L = int(candidate_length)
     if st is None or st.upper is None or new_logits.shape[0] != 1 or st.logits.shape[0] != 1 \
             or st.logits.shape[1] < L + 1 or new_logits.shape[1] != L + 1:

@@ -325,7 +325,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
     stock = gu._speculative_sampling
 
     def stock_rows(sess, cand, L):
-        st = sess.last
+        st = sess.step.last
         P = st.logits.shape[1]
         raw = sess.head.stock(st.H.reshape(P, -1))[P - (L + 1):].float()
         cur = cand.shape[1] - L
@@ -363,13 +363,13 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
         if not out and int(L) >= 1:
             run("spec", lambda c, ql, LL, nl, g: orig_cert(sess, c, ql, LL, nl, generator=g), sess, cand,
                 cand_logits, int(L), new_logits)
-            sess.spec_pending = True  # the probe consumed the stash flag; the real call below clears it
+            sess.step.spec_pending = True  # the probe consumed the stash flag; the real call below clears it
         return orig_cert(sess, cand, cand_logits, L, new_logits, **kw)
 
     def exact(cand, cand_logits, L, new_logits, weight=None, **kw):
         h = hv._stack()[-1] if hv._stack() else None
         sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.last is not None:
+        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.step.last is not None:
             run("topk", lambda c, ql, LL, nl, g: orig_exact(c, ql, LL, nl, None, generator=g), sess, cand,
                 cand_logits, int(L), new_logits)
         return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
@@ -379,7 +379,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
         # stock's exactly when those rows are stock's processed rows, which is checked here, bit for bit
         h = hv._stack()[-1] if hv._stack() else None
         sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.last is not None:
+        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.step.last is not None:
             same = bool(torch.equal(new_logits.float(), stock_rows(sess, cand, int(L)).to(new_logits.device)))
             out.update(kind="topk (stock's verify)", drafted=int(L), rows_identical=same, identical_law=same)
         return stock(cand, cand_logits, L, new_logits, *a, **kw)
