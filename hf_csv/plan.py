@@ -60,6 +60,12 @@ class Plan:
         """(CertResult, dense logits [N, V] in the model dtype) of one head call on rows ``H`` [N, d]."""
         raise NotImplementedError
 
+    def ready(self, ch: Any, H: torch.Tensor) -> bool:
+        """Whether ``ch`` can run this plan's head call now (False while a large head's screen is being packed in
+        the background; the vocabulary-parallel head builds synchronously on every rank)."""
+        ready = getattr(ch, "ready", None)
+        return ready is None or bool(ready(H))
+
     def placement(self, procs: list) -> tuple[int, int]:
         """(index, how many processors it replaces) of the check in the call's processor list: last by default."""
         return len(procs), 0

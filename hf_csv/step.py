@@ -122,8 +122,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     ch = sess.head
     if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
         H = H.to(ch.weight.device)
-    ready = getattr(ch, "ready", None)  # (the vocabulary-parallel head builds synchronously on every rank)
-    if ready is not None and not ready(H):  # first call on a large head: the screen is still being packed
+    if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
         sess.note("the int8 screen is still being packed (first call): full head for these steps")
         return _full(sess, inner, hidden)
     guard = getattr(ch, "_speed_guard", None)
