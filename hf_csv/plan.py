@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from . import checks
+from .certificate import value_interval
 from .errors import CSVError
 
 __all__ = ["Plan", "Full", "TopK", "Threshold", "Nucleus", "Bounded", "Sample", "ExactBeam", "Epsilon", "FULL",
@@ -154,16 +155,16 @@ class TopK(Plan):
         k = min(self.k, last.logits.shape[2])
         if sess.draft and k > 1 and self.check_after is None:
             # a sampled draft may use any distribution it returns; it only needs a finite row
-            return c.rerun(input_ids, scores, sess, last, p, ~torch.isfinite(scores.amax(1).float()))
-        ob = c.outside_bound(input_ids, sess, last, p)
+            return rerun(c, input_ids, scores, sess, last, p, ~torch.isfinite(scores.amax(1).float()))
+        ob = outside_bound(c, input_ids, sess, last, p)
         ts = None
         if self.ts_proc is not None:
             bad, ts = timestamp_unsure(sess, self.ts_proc, input_ids, scores, ob, last.mask[:, p])
         else:
             bad = checks.topk_unsure(scores, ob, k)
             if last.slack is not None and not sess.draft:
-                bad |= c.set_undecided(input_ids, scores, sess, last, p, k, ob)
-        out = c.rerun(input_ids, scores, sess, last, p, bad)
+                bad |= set_undecided(c, input_ids, scores, sess, last, p, k, ob)
+        out = rerun(c, input_ids, scores, sess, last, p, bad)
         if sess.whisper.record:
             record_lp(sess, input_ids, out, last, p, bad, ts)
         return out
@@ -187,8 +188,8 @@ class Threshold(Plan):
         return res, res.logits
 
     def check(self, c, sess, input_ids, scores, last, p):
-        bad = checks.min_p_unsure(scores.float(), c.outside_bound(input_ids, sess, last, p), self.min_p)
-        return c.rerun(input_ids, scores, sess, last, p, bad)
+        bad = checks.min_p_unsure(scores.float(), outside_bound(c, input_ids, sess, last, p), self.min_p)
+        return rerun(c, input_ids, scores, sess, last, p, bad)
 
     def placement(self, procs):
         i = _index(procs, self.min_p_proc)
@@ -220,7 +221,7 @@ class Nucleus(Plan):
         warper = self.top_p_proc
         S = last.mask[:, p]
         up = checks.raise_by_dtype(last.upper[:, p], sess.out_dtype)
-        for proc in c.orders(sess):  # temperature
+        for proc in orders(c, sess):  # temperature
             up = proc(input_ids, up)
         complete = S.all(1)
         remove, bad = checks.nucleus_decide(scores, S, up, float(warper.top_p))
@@ -234,11 +235,11 @@ class Nucleus(Plan):
         out = scores.masked_fill(remove, warper.filter_value)
         fix = bad | complete
         if bool(fix.any()):
-            src = c.rerun(input_ids, scores, sess, last, p, bad) if bool(bad.any()) else scores
+            src = rerun(c, input_ids, scores, sess, last, p, bad) if bool(bad.any()) else scores
             idx = fix.nonzero(as_tuple=True)[0]
             out[idx] = warper(input_ids[idx], src[idx])  # stock's warper on stock's rows (it works row by row)
         else:
-            c.log_step(int(scores.shape[0]), 0)
+            log_step(c, int(scores.shape[0]), 0)
         return out
 
 
@@ -286,15 +287,15 @@ class Sample(Plan):
         slack = last.slack[:, p] if last.slack is not None and last.acc is not None else None
         bad, tok, m = checks.gumbel_unsure(
             scores, g, last.cut[:, p], None if last.shift is None else last.shift[:, p], slack,
-            lambda: c.processed_interval(input_ids, sess, last, p, scores))
+            lambda: processed_interval(c, input_ids, sess, last, p, scores))
         if bool(bad.any()):
             idx = bad.nonzero(as_tuple=True)[0]
-            full = c.rerun(input_ids, scores, sess, last, p, bad)
+            full = rerun(c, input_ids, scores, sess, last, p, bad)
             tok = tok.clone()
             tok[idx] = ((full[idx].float() - m[idx]) + g[idx]).argmax(1)
             scores = full
         else:
-            c.log_step(int(scores.shape[0]), 0)
+            log_step(c, int(scores.shape[0]), 0)
         return checks.winner_only(scores, tok)
 
 
@@ -327,7 +328,7 @@ class ExactBeam(Plan):
         lo = torch.where(complete[:, None], x, torch.minimum(lo, x))
         hi = torch.where(complete[:, None], x, torch.maximum(hi, x))
         sess.beam.step = BeamStep(lo=lo, hi=hi, rep=x, ob=ob.masked_fill(complete, float("-inf")))
-        c.log_step(int(scores.shape[0]), 0)
+        log_step(c, int(scores.shape[0]), 0)
         return scores
 
 
@@ -361,7 +362,7 @@ class Epsilon(Plan):
         raw = last.logits[:, p]
         ob = checks.epsilon_bound(raw, last.mask[:, p].all(1), self.eps)
         bad = checks.topk_unsure(scores, ob, min(self.k, raw.shape[1]))
-        return c.rerun(input_ids, scores, sess, last, p, bad)
+        return rerun(c, input_ids, scores, sess, last, p, bad)
 
 
 def fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -407,6 +408,119 @@ def one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtyp
         bad = (~ok).nonzero(as_tuple=True)[0]
         out[bad] = logits[bad].to(dtype)
     return out
+
+
+# ------------------------------------------------------------------ what a check needs at its place in the list
+# (``c`` is the call's CSVLogitsProcessor: the processors before it are the ones the check runs through)
+@dataclass(frozen=True)
+class _Prefix:
+    """The processors a CSVLogitsProcessor follows in one call: all of them (``every``), the order-preserving ones
+    the bound ``ob`` runs through (``orders``), those a full-head re-run repeats (``runs``: not identity wrappers),
+    and whether all of them only mask (:func:`hf_csv.policy.masks_only`)."""
+
+    owner: object
+    every: tuple
+    orders: tuple
+    runs: tuple
+    masks_only: bool
+
+
+def log_step(c: Any, rows: int, reruns: int) -> None:
+    """One record of the check processor ``c`` (``CSVLogitsProcessor(record=True)``)."""
+    if c.record:
+        c.records.append({"rows": rows, "reruns": reruns})
+
+def prefix(c: Any, sess: Any) -> _Prefix:
+    """The processors before the check ``c`` in the call's list, sorted once per call (the list is fixed per call)."""
+    got = sess.check_prefix
+    if got is None or got.owner is not c:
+        every = []
+        for proc in sess.processors or ():
+            if proc is c:
+                break
+            every.append(proc)
+        ident = [getattr(proc, "csv_identity", False) for proc in every]
+        got = sess.check_prefix = _Prefix(
+            owner=c, every=tuple(every),
+            orders=tuple(p for p, i in zip(every, ident) if not i and classify_processor(p) == "order"),
+            runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
+    return got
+
+def orders(c: Any, sess: Any) -> tuple:
+    """The order-preserving processors before this one (e.g. temperature), which bounds run through."""
+    return prefix(c, sess).orders
+
+def outside_bound(c: Any, input_ids: torch.Tensor, sess: Any, last, p: int) -> torch.Tensor:
+    """[B] fp32: a bound on every uncomputed token's processed score at this place (docs/certificates.md §3.2):
+    the head's bound through the post-head map and the order-preserving processors before this one (lowering
+    ones only lower it); −inf on complete rows."""
+    bound = last.bound[:, p]
+    ob = bound.to(last.logits.dtype)
+    if sess.post is not None and not sess.post.identity:
+        ob = sess.post.apply(ob)
+    ob = ob.float()[:, None]
+    for proc in orders(c, sess):  # e.g. temperature
+        ob = proc(input_ids, ob)
+    return ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
+
+def _before_me(c: Any, input_ids: torch.Tensor, x: torch.Tensor, sess: Any) -> torch.Tensor:
+    """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
+    function of that score: "order" and "lower" kinds), as stock runs them."""
+    for proc in prefix(c, sess).every:
+        x = proc(input_ids, x)
+    return x
+
+def processed_interval(c: Any, input_ids, sess, last, p, scores: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f(lo), f(hi)) fp32 [B, V]: the processors before this one applied to the bounds of stock's values at
+    position ``p`` (hf_csv.certificate.value_interval); each token's processed score lies between them.
+
+    Where every processor before this one only masks (:func:`hf_csv.plan.masks_only`: each token's output is
+    its input or −inf, the set chosen from ``input_ids`` alone) or returns its input, f is one mask M, read off
+    this step's processed ``scores`` = f(raw): on a finite raw value, M holds the token iff its score is −inf
+    (where raw is −inf so are lo and hi). Then f(x) = where(M, −inf, x) on lo and hi, without running the
+    processors twice over V (Whisper's suppressions: about a third of a certified step on whisper-tiny.en)."""
+    raw = last.logits[:, p]
+    lo, hi = value_interval(last.acc[:, p], last.slack[:, p], raw.dtype)
+    lo, hi = lo.to(raw.dtype), hi.to(raw.dtype)
+    if scores is not None and prefix(c, sess).masks_only:
+        M = (scores == float("-inf")) & torch.isfinite(raw)
+        return lo.float().masked_fill(M, float("-inf")), hi.float().masked_fill(M, float("-inf"))
+    return (_before_me(c, input_ids, lo, sess).float(), _before_me(c, input_ids, hi, sess).float())
+
+def set_undecided(c: Any, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
+    """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
+    are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
+    top k is stock's when min over T of f(lo) exceeds every other token's f(hi) and the bound outside S."""
+    slack = last.slack[:, p]
+    if last.acc is None or not bool((slack > 0).any()):
+        return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    f_lo, f_hi = processed_interval(c, input_ids, sess, last, p, scores)
+    return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
+
+def rerun(c: Any, input_ids, scores, sess, last, p, bad):
+    """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
+    nbad = int(bad.sum())
+    log_step(c, int(scores.shape[0]), nbad)
+    if nbad == 0:
+        return scores
+    sess.verify_reruns += nbad
+    B, P, d = last.H.shape
+    raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
+    idx = bad.nonzero(as_tuple=True)[0]
+    # stock's values: its GEMM over all B·P rows (a GEMM on fewer rows may round differently), once per head call
+    if last.stock_full is None:
+        last.stock_full = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)
+    full = last.stock_full[:, p]
+    raw[idx] = full[idx].to(raw.dtype)
+    if sess.post is not None and not sess.post.identity:
+        raw = sess.post.apply(raw)
+    new = raw.float()
+    if sess.plan.log_softmax_rows:
+        new = torch.log_softmax(new, dim=-1)
+    for proc in prefix(c, sess).runs:  # (not a no-speech detector's forward: once is enough)
+        new = proc(input_ids, new)
+    return new
 
 
 # ------------------------------------------------------------------ the checks' Whisper and beam pieces

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,10 +33,8 @@ from transformers import LogitsProcessor
 from hf_csv_kernels.verify import gumbel_shift, row_max_finite
 
 from . import checks
-from .certificate import value_interval
 from .errors import CSVError
 from .head import CSVSession
-from .plan import classify_processor, masks_only
 from .step import check_step, flush_guard
 
 __all__ = ["CSVLogitsProcessor", "GumbelCoupledDraw"]
@@ -56,19 +53,6 @@ def binding_scope():
         yield
     finally:
         _BOUND.reset(token)
-
-
-@dataclass(frozen=True)
-class _Prefix:
-    """The processors a CSVLogitsProcessor follows in one call: all of them (``every``), the order-preserving ones
-    the bound ``ob`` runs through (``orders``), those a full-head re-run repeats (``runs``: not identity wrappers),
-    and whether all of them only mask (:func:`hf_csv.policy.masks_only`)."""
-
-    owner: object
-    every: tuple
-    orders: tuple
-    runs: tuple
-    masks_only: bool
 
 
 class CSVLogitsProcessor(LogitsProcessor):
@@ -122,103 +106,6 @@ class CSVLogitsProcessor(LogitsProcessor):
         out = check_step(self, sess, input_ids, scores)
         flush_guard(sess, time.perf_counter() - t0)  # the speed guard compares whole steps (hf_csv.step)
         return out
-
-    # ---------------------------------------------------------- what a plan's check (hf_csv.plan) asks of its place
-    def log_step(self, rows: int, reruns: int) -> None:
-        if self.record:
-            self.records.append({"rows": rows, "reruns": reruns})
-
-    def prefix(self, sess: CSVSession) -> "_Prefix":
-        """The processors before this one in the call's list, sorted once per call (the list is fixed per call)."""
-        got = sess.check_prefix
-        if got is None or got.owner is not self:
-            every = []
-            for proc in sess.processors or ():
-                if proc is self:
-                    break
-                every.append(proc)
-            ident = [getattr(proc, "csv_identity", False) for proc in every]
-            got = sess.check_prefix = _Prefix(
-                owner=self, every=tuple(every),
-                orders=tuple(p for p, i in zip(every, ident) if not i and classify_processor(p) == "order"),
-                runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
-        return got
-
-    def orders(self, sess: CSVSession) -> tuple:
-        """The order-preserving processors before this one (e.g. temperature), which bounds run through."""
-        return self.prefix(sess).orders
-
-    def outside_bound(self, input_ids: torch.Tensor, sess: CSVSession, last, p: int) -> torch.Tensor:
-        """[B] fp32: a bound on every uncomputed token's processed score at this place (docs/certificates.md §3.2):
-        the head's bound through the post-head map and the order-preserving processors before this one (lowering
-        ones only lower it); −inf on complete rows."""
-        bound = last.bound[:, p]
-        ob = bound.to(last.logits.dtype)
-        if sess.post is not None and not sess.post.identity:
-            ob = sess.post.apply(ob)
-        ob = ob.float()[:, None]
-        for proc in self.orders(sess):  # e.g. temperature
-            ob = proc(input_ids, ob)
-        return ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
-
-    def _before_me(self, input_ids: torch.Tensor, x: torch.Tensor, sess: CSVSession) -> torch.Tensor:
-        """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
-        function of that score: "order" and "lower" kinds), as stock runs them."""
-        for proc in self.prefix(sess).every:
-            x = proc(input_ids, x)
-        return x
-
-    def processed_interval(self, input_ids, sess, last, p, scores: Optional[torch.Tensor] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(f(lo), f(hi)) fp32 [B, V]: the processors before this one applied to the bounds of stock's values at
-        position ``p`` (hf_csv.certificate.value_interval); each token's processed score lies between them.
-
-        Where every processor before this one only masks (:func:`hf_csv.plan.masks_only`: each token's output is
-        its input or −inf, the set chosen from ``input_ids`` alone) or returns its input, f is one mask M, read off
-        this step's processed ``scores`` = f(raw): on a finite raw value, M holds the token iff its score is −inf
-        (where raw is −inf so are lo and hi). Then f(x) = where(M, −inf, x) on lo and hi, without running the
-        processors twice over V (Whisper's suppressions: about a third of a certified step on whisper-tiny.en)."""
-        raw = last.logits[:, p]
-        lo, hi = value_interval(last.acc[:, p], last.slack[:, p], raw.dtype)
-        lo, hi = lo.to(raw.dtype), hi.to(raw.dtype)
-        if scores is not None and self.prefix(sess).masks_only:
-            M = (scores == float("-inf")) & torch.isfinite(raw)
-            return lo.float().masked_fill(M, float("-inf")), hi.float().masked_fill(M, float("-inf"))
-        return (self._before_me(input_ids, lo, sess).float(), self._before_me(input_ids, hi, sess).float())
-
-    def set_undecided(self, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
-        """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
-        are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
-        top k is stock's when min over T of f(lo) exceeds every other token's f(hi) and the bound outside S."""
-        slack = last.slack[:, p]
-        if last.acc is None or not bool((slack > 0).any()):
-            return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-        f_lo, f_hi = self.processed_interval(input_ids, sess, last, p, scores)
-        return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
-
-    def rerun(self, input_ids, scores, sess, last, p, bad):
-        """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
-        nbad = int(bad.sum())
-        self.log_step(int(scores.shape[0]), nbad)
-        if nbad == 0:
-            return scores
-        sess.verify_reruns += nbad
-        B, P, d = last.H.shape
-        raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
-        idx = bad.nonzero(as_tuple=True)[0]
-        # stock's values: its GEMM over all B·P rows (a GEMM on fewer rows may round differently), once per head call
-        if last.stock_full is None:
-            last.stock_full = sess.head.stock(last.H.reshape(B * P, d)).view(B, P, -1)
-        full = last.stock_full[:, p]
-        raw[idx] = full[idx].to(raw.dtype)
-        if sess.post is not None and not sess.post.identity:
-            raw = sess.post.apply(raw)
-        new = raw.float()
-        if sess.plan.log_softmax_rows:
-            new = torch.log_softmax(new, dim=-1)
-        for proc in self.prefix(sess).runs:  # (not a no-speech detector's forward: once is enough)
-            new = proc(input_ids, new)
-        return new
 
 
 class FullHeadDuring(LogitsProcessor):

@@ -514,20 +514,20 @@ def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
     rows: exact ties, values on S nudged one ulp so that the interval is wide)."""
     import copy
 
-    from hf_csv.processors import CSVLogitsProcessor
+    import hf_csv.plan as plan
 
     _perturbing_values(monkeypatch, seed=2)
-    orig = CSVLogitsProcessor.processed_interval
+    orig = plan.processed_interval
     seen = {"fast": 0}
 
-    def both(self, input_ids, sess, last, p, scores=None):
-        got = orig(self, input_ids, sess, last, p, scores)
-        ref = orig(self, input_ids, sess, last, p)  # no scores: the processors run on lo and hi
+    def both(c, input_ids, sess, last, p, scores=None):
+        got = orig(c, input_ids, sess, last, p, scores)
+        ref = orig(c, input_ids, sess, last, p)  # no scores: the processors run on lo and hi
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         seen["fast"] += scores is not None
         return got
 
-    monkeypatch.setattr(CSVLogitsProcessor, "processed_interval", both)
+    monkeypatch.setattr(plan, "processed_interval", both)
     ref = tiny_llama(vocab=512, scale=20.0)
     with torch.no_grad():
         ref.lm_head.weight[256:] = ref.lm_head.weight[:256]
