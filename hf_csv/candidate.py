@@ -175,7 +175,7 @@ def _coupled_confidence(gen: Any, sess: CSVSession):
 
 def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
     """When the generator returns no draft logits (its last call, once no new token fits: stock then samples
-    from the target's row itself), the target's next head call must be complete: mode "spec" rows are -inf off
+    from the target's row itself), the target's next head call must be complete: Bounded-plan rows are -inf off
     S and only hf_csv's verify may read them. In Gumbel-coupled sampling that row must be the keyed draw.
     Wraps this instance's ``get_candidates`` (outermost)."""
     inner: Callable = gen.get_candidates

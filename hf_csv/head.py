@@ -109,7 +109,7 @@ class CSVSession:
     replaced: Any = None  # the processor whose place the CSVLogitsProcessor took in that list (Nucleus: top-p)
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator
-    spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use mode "spec"
+    spec_ok: bool = False  # assisted by a model with hf_csv's exact verify: the target may use the Bounded plan
     whisper: WhisperRecord = field(default_factory=lambda: WhisperRecord())
     beam: BeamRecord = field(default_factory=lambda: BeamRecord())
     assist: AssistRecord = field(default_factory=lambda: AssistRecord())

@@ -1,9 +1,12 @@
 """Plans: which certificate one decoding call runs, as a frozen value (core: no transformers import).
 
 A plan holds only its own parameters and knows its head call (:meth:`Plan.head`: which method of
-:class:`hf_csv.certificate.CertifiedHead` computes a step's rows, and what the returned logits are) and where its
-check goes in the logits-processor list (:meth:`Plan.placement`). :func:`hf_csv.policy.decide_mode` picks one per
-call; :mod:`hf_csv.step` runs it. The processor-kind tables that the decision reads live here, in one place.
+:class:`hf_csv.certificate.CertifiedHead` computes a step's rows, and what the returned logits are), its check
+(:meth:`Plan.check`: the per-row proof of :mod:`hf_csv.checks` it runs after the processors, and the re-run of the
+rows it cannot prove) and where that check goes in the logits-processor list (:meth:`Plan.placement`).
+:func:`hf_csv.policy.decide_mode` picks one per call; :mod:`hf_csv.step` runs it, one step at a time. The
+processor-kind tables that the decision reads live here, in one place. Limits: the checks take float32 processed
+scores; every guarantee is the one of its docs/certificates.md section (below), for the dtypes stated there.
 
 | plan | certificate (docs/certificates.md) | returns | check after the processors |
 |---|---|---|---|
@@ -11,7 +14,7 @@ call; :mod:`hf_csv.step` runs it. The processor-kind tables that the decision re
 | :class:`TopK` | exact top-K (§2.1), timestamps (§3.4) | exact on S, −inf elsewhere | top-k / timestamp rule (§3.2, §3.4) |
 | :class:`Threshold` | every token within δ of the max (§3.3) | exact on S, −inf elsewhere | min-p's kept set (§3.3) |
 | :class:`Nucleus` | S leaves ε of the mass (§3.5) | exact on S, −inf elsewhere | stock's nucleus from the bounds (§3.5) |
-| :class:`Bounded` | S leaves ε of the mass (§2.4) | exact on S, −inf elsewhere | hf_csv's verify (docs/speculative.md) |
+| :class:`Bounded` | S leaves ε of the mass, bounds elsewhere (docs/speculative.md) | exact on S, −inf elsewhere | none here: hf_csv's verify reads the bounds |
 | :class:`Sample` | exact lazy-Gumbel draw (§2.3) | the draw (one-hot), or exact on S | the draw after lowering processors (§2.3) |
 | :class:`ExactBeam` | S leaves ε of the mass (§3.10) | exact on S, −inf elsewhere | log-prob intervals for the beam bookkeeping (§3.10) |
 | :class:`Epsilon` | ε-softmax, approximate (§2.2) | exact on S, −inf elsewhere | beam search: top-2·beams (§3.2) |
@@ -246,7 +249,8 @@ class Nucleus(Plan):
 @dataclass(frozen=True)
 class Bounded(Plan):
     """The target's head in assisted sampling with hf_csv's exact verify (docs/speculative.md): exact logits on S
-    (all but about ``SPEC_EPS`` of the mass) and bounds for the rest, which the certified verify reads."""
+    (all but about ``SPEC_EPS`` of the mass) and bounds for the rest, which the certified verify reads
+    (hf_csv.verify); no check in the processor list."""
 
     name: ClassVar[str] = "spec"
     checks_rows: ClassVar[bool] = False

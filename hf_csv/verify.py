@@ -138,8 +138,8 @@ def speculative_sampling_certified(
     upper bound on every other token's logit, and rows are completed with the full head where the bounds
     do not decide. The law is that of :func:`speculative_sampling_exact` on the full rows.
 
-    Limits: the processors between head and verify must be temperature warpers only (hf_csv.policy sets
-    mode "spec" only then) and the post-head map the identity; batch size 1.
+    Limits: the processors between head and verify must be temperature warpers only (hf_csv.policy picks the
+    Bounded plan only then) and the post-head map the identity; batch size 1.
     """
     st = session.step.last
     session.step.spec_pending = False
