@@ -18,7 +18,9 @@ timed before them). ``--batch B`` left-pads B different prompts (Whisper: B copi
 Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs interleaved
 pairs), head_fraction f (time inside the stock head / whole generate, measured with hooks in a
 separate stock run), limit = 1/(1-f), gain_fraction = (speedup-1)/(limit-1), identical_tokens,
-certified_fraction, mean_subvocab_fraction, head_ms_stock / head_ms_csv (per head call); and a PNG.
+certified_fraction, mean_subvocab_fraction, head_ms_stock / head_ms_csv (per head call inside generate, speed-guard
+probes included); greedy only: head_alone_ms_csv (the certified top-1 call, ``CertifiedHead.topk``, on the decode
+rows that generate fed the head, timed alone after the runs) and head_in_generate_over_alone; and a PNG.
 """
 from __future__ import annotations
 
@@ -109,6 +111,23 @@ def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
     return acc["t"], acc["n"], total
 
 
+def head_alone(head: torch.nn.Module, cfg, rows: list, dtype: torch.dtype) -> float | None:
+    """Seconds per certified top-1 call (``CertifiedHead.topk``, what a greedy step's head computes) on the decode
+    rows ``rows`` generate fed the head, outside generate: median over 3 passes of the mean over the rows."""
+    if not rows:
+        return None
+    ch = hf_csv.head.get_certified_head(head, cfg)
+    with torch.no_grad():
+        ch.topk(rows[0], 1, out_dtype=dtype)  # (warm: the cached head is built already)
+        means = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for H in rows:
+                ch.topk(H, 1, out_dtype=dtype)
+            means.append((time.perf_counter() - t) / len(rows))
+    return statistics.median(means)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -153,12 +172,15 @@ def main() -> None:
     name, head = hf_csv.head.find_head(model)
     orig_fwd = CSVHead.forward
     acc = {"t": 0.0, "n": 0}
+    rows: list = []  # decode rows the head was fed (for the head-alone timing)
 
     def timed_fwd(self, h):
         t = time.perf_counter()
         o = orig_fwd(self, h)
         acc["t"] += time.perf_counter() - t
         acc["n"] += 1
+        if h.dim() == 3 and h.shape[1] == 1 and len(rows) < 64:
+            rows.append(h.detach().reshape(-1, h.shape[-1]).clone())
         return o
 
     with cpu_load(args.load):
@@ -179,6 +201,7 @@ def main() -> None:
             _, tot_csv = timed(csv)
         finally:
             CSVHead.forward = orig_fwd
+    alone = head_alone(head, cfg, rows, getattr(torch, args.dtype)) if args.preset == "greedy" else None
     f = hs / tot
     limit = 1 / (1 - f)
     ms, mc = statistics.median(t_stock), statistics.median(t_csv)
@@ -194,6 +217,8 @@ def main() -> None:
         "certified_fraction": stats.get("certified_fraction"), "mean_subvocab_fraction": stats.get("mean_subvocab_fraction"),
         "near_ties": stats.get("near_ties"), "mode": stats.get("mode"), "verify_reruns": stats.get("verify_reruns"),
         "head_ms_stock": 1e3 * hs / max(ns, 1), "head_ms_csv": 1e3 * acc["t"] / max(acc["n"], 1),
+        "head_alone_ms_csv": None if alone is None else 1e3 * alone,
+        "head_in_generate_over_alone": None if not alone else acc["t"] / max(acc["n"], 1) / alone,
         "step_ms_stock": 1e3 * ms / max(new, 1), "step_ms_csv": 1e3 * mc / max(new, 1),
         "first_csv_call_s": t_build, "first_stock_call_s": t_first_stock,
         "first_call_ratio": t_first_stock / t_build, "times_stock_s": t_stock, "times_csv_s": t_csv,
