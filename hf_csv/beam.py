@@ -37,7 +37,7 @@ from torch import nn
 from .errors import CSVError
 from .head import CSVSession, active_session
 from .plan import ExactBeam, Full
-from .scope import instance_override
+from .patches import instance_override
 
 __all__ = ["BeamUncertified", "beam_decisions"]
 

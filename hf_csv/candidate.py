@@ -38,7 +38,8 @@ from .errors import CSVError
 from .head import CSVSession, active_session, find_head
 from .plan import Bounded
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
-from .scope import certified, instance_override, new_session
+from .patches import instance_override
+from .scope import certified, new_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings",
            "truncated_assistant", "quantized_assistant"]

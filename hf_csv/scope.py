@@ -1,9 +1,7 @@
 """Scoped, restoring patches that make one certified call active on one model.
 
-* :func:`instance_override` — an instance-level override of a ``generate`` helper, reference-counted
-  per (model, name) so concurrent or nested scopes share it; removed by the last exit, also after
-  an exception. Overrides consult the calling context (:func:`hf_csv.head.active_session`), so a
-  stock call running in another thread at the same time is unaffected.
+* the per-call overrides go through :func:`hf_csv.patches.instance_override` (the list of every touch point and
+  the one mechanism that installs and restores them).
 * :func:`certified` — the head swap plus the ``_get_logits_processor`` / ``_get_stopping_criteria``
   overrides (mode decision) and one pair of forward hooks per model that act on the session of the
   calling context: the pre-hook records how many tokens the forward consumes (per-position
@@ -18,8 +16,6 @@ Per-call state lives in the :class:`~hf_csv.head.CSVSession` of the call, never 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,16 +25,15 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
                    set_static_plan, swapped_head)
+from .patches import instance_override, shared
 from .plan import Full
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
 from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
 from .speed import cuda_reason
 
-__all__ = ["instance_override", "certified", "new_session"]
+__all__ = ["certified", "new_session"]
 
-_LOCK = threading.RLock()
-_OVERRIDES: dict[tuple, list] = {}  # (id(model), attribute) -> [undo, refcount]
 _HOOKS: dict[int, list] = {}  # id(model) -> [undo, refcount]
 
 
@@ -67,37 +62,6 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     return sess
 
 
-@contextlib.contextmanager
-def _shared(table: dict, key: Any, install: Callable[[], Callable[[], None]]):
-    """Run ``install`` on the first enter for ``key`` and the undo it returns on the last exit
-    (reference-counted under one lock, so nested and concurrent scopes share one installation)."""
-    with _LOCK:
-        entry = table.get(key)
-        if entry is None:
-            entry = table[key] = [install(), 0]
-        entry[1] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            entry[1] -= 1
-            if entry[1] == 0:
-                entry[0]()
-                del table[key]
-
-
-def instance_override(model: nn.Module, name: str, make: Callable[[Callable], Callable]):
-    """Scoped instance-level override ``model.<name> = make(class method bound to model)``."""
-
-    def install() -> Callable[[], None]:
-        fn = getattr(type(model), name)
-        static = isinstance(inspect.getattr_static(type(model), name), staticmethod)
-        model.__dict__[name] = make(fn if static else fn.__get__(model))
-        return lambda: model.__dict__.pop(name, None)
-
-    return _shared(_OVERRIDES, (id(model), name), install)
-
-
 def _hooks(model: nn.Module):
     """One pre/post forward hook pair per model while any session is active on it."""
 
@@ -106,7 +70,7 @@ def _hooks(model: nn.Module):
                    model.register_forward_hook(_check_post))
         return lambda: [h.remove() for h in handles]
 
-    return _shared(_HOOKS, id(model), install)
+    return shared(_HOOKS, id(model), install)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from .errors import CSVError
 from .head import CSVSession, active_session
 from .checks import avg_logprob_interval
 from .processors import stock_processed
-from .scope import instance_override
+from .patches import instance_override
 
 __all__ = ["threshold_of", "whisper_decisions"]
 
