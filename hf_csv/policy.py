@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .head import CSVSession, _tlog
-from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Sample, Threshold,
+from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
 from .static import StaticTopK
 from .step import guard_key
@@ -77,7 +77,7 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
     return None
 
 
-def decide_mode(session: CSVSession, generation_config: Any, processors: list):
+def decide_mode(session: CSVSession, generation_config: Any, processors: list) -> Plan:
     """Pick the certificate for this decoding call from the generation config and processors.
 
     Sets ``session.plan`` (a :mod:`hf_csv.plan` value) and returns it; every fallback to the full head logs its
