@@ -57,7 +57,7 @@ RAN: list = []
 @pytest.mark.parametrize("eps", [1e-3, 0.05, 0.5])
 @pytest.mark.parametrize("arch,dtype,nb,batch,extra", CASES)
 def test_beam_exact_matches_stock(monkeypatch, arch, dtype, nb, batch, extra, eps):
-    # eps: how much of a row's mass S may leave out (hf_csv.head.BEAM_EPS). The tiny heads put most rows over the
+    # eps: how much of a row's mass S may leave out (hf_csv.plan.BEAM_EPS). The tiny heads put most rows over the
     # budget at the default 1e-3; at 0.05 the decisions are taken from the intervals of sub-vocabulary rows
     monkeypatch.setattr(hplan, "BEAM_EPS", eps)
     m, a, b, st = _run(arch, dtype, nb, batch, extra)
