@@ -36,7 +36,8 @@ from .step import StepState, head_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CSVSession", "CSVHead", "swapped_head", "get_certified_head", "find_head", "active_session"]
+__all__ = ["CSVSession", "CSVHead", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head",
+           "active_session"]
 
 # model id -> session, per context (thread / task). A dict so that an assistant model and the
 # main model can both be certified inside one call.
@@ -95,6 +96,8 @@ class CSVSession:
     head: Optional[CertifiedHead]  # None when the full head is forced before generate (e.g. offloaded)
     out_dtype: torch.dtype
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
+    # the head's per-weight entry (guard, static heads; hf_csv.head.HeadEntry), None where ``head`` is
+    entry: Optional["HeadEntry"] = None
     plan: Plan = FULL  # the call's certificate (hf_csv.plan), chosen by hf_csv.policy.decide_mode
     step: StepState = field(default_factory=lambda: StepState())  # what one step hands to the next part of it
     reasons: list = field(default_factory=list)
@@ -219,16 +222,35 @@ def forget_heads(head: nn.Module) -> None:
         _HEADS.pop(head, None)
 
 
+@dataclass
+class HeadEntry:
+    """What hf_csv keeps per head weight and config, never per call: the certified head, the key of the weights it
+    was built from, the speed guard's timings (hf_csv.speed) and the compiled static heads (hf_csv.static). Calls
+    share it (each piece is safe to share: the guard locks, a static head is read-only); nothing is attached to the
+    certified head itself."""
+
+    head: Any
+    src_key: tuple
+    guard: Any = None
+    static_plans: dict = field(default_factory=dict)
+
+
 def get_certified_head(head: nn.Linear, config: CSVConfig):
     """The cached certified head for this head module and config (built once): a
     :class:`CertifiedHead`, or a :class:`hf_csv.distributed.VocabParallelHead` when the head is
     sharded by vocabulary (tensor parallel) or ``config.vocab_parallel`` is set."""
+    return head_entry(head, config).head
+
+
+def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
+    """The cached :class:`HeadEntry` of this head module and config (built on first use, rebuilt when the weights
+    changed)."""
     key = config.head_key()
     with _LOCK:
         per = _HEADS.setdefault(head, {})
-        ch = per.get(key)
+        entry = per.get(key)
         # the cache is keyed on the module; a changed or updated weight tensor invalidates it
-        if ch is None or getattr(ch, "_src_key", None) != _weight_key(head):
+        if entry is None or entry.src_key != _weight_key(head):
             art, index = _artifact_of(config)
             from .distributed import local_shard_of
 
@@ -259,13 +281,12 @@ def get_certified_head(head: nn.Linear, config: CSVConfig):
                 raise
             if art is not None:
                 art.wait_verified()  # its sha256 ran beside the recompute (CSVArtifact.from_pretrained)
-            ch._src_key = _weight_key(head)
             from .speed import MIN_WEIGHTS, SpeedGuard
 
-            if isinstance(ch, CertifiedHead) and head.weight.numel() >= MIN_WEIGHTS and SpeedGuard.enabled():
-                ch._speed_guard = SpeedGuard()  # never slower than stock (hf_csv.speed)
-            per[key] = ch
-    return ch
+            guarded = isinstance(ch, CertifiedHead) and head.weight.numel() >= MIN_WEIGHTS and SpeedGuard.enabled()
+            # (the guard: never slower than stock, hf_csv.speed)
+            entry = per[key] = HeadEntry(head=ch, src_key=_weight_key(head), guard=SpeedGuard() if guarded else None)
+    return entry
 
 
 def _artifact_of(config: CSVConfig) -> tuple:

@@ -576,14 +576,14 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
         return None
-    guard = getattr(ch, "_speed_guard", None)
+    guard = None if session.entry is None else session.entry.guard
     if batch is not None and guard is not None and guard.enabled() and guard.prefers_full(guard_key(session, batch)):
         session.note("torch.compile (static cache): the speed guard measured the full head faster for this shape on "
                      "the eager steps: stock's head inside the graph")
         session.compiled.stock = True
         return None
     temperature = float(temps[0].temperature) if sampled and temps else None
-    plans = ch.__dict__.setdefault("_static_plans", {})
+    plans = session.entry.static_plans if session.entry is not None else {}
     key = (C, tuple(sup), k, temperature)
     plan = plans.get(key)
     if plan is None:  # one per head, capacity, suppressed set, k and temperature: a reused plan keeps dynamo's guards

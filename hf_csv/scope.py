@@ -23,7 +23,7 @@ from torch import nn
 
 from .certificate import CertStats
 from .config import CSVConfig
-from .head import (CSVSession, active_session, find_head, get_certified_head, guard_post_head, model_out_dtype,
+from .head import (CSVSession, active_session, find_head, guard_post_head, head_entry, model_out_dtype,
                    set_static_plan, swapped_head)
 from .patches import instance_override, shared
 from .plan import Full
@@ -44,8 +44,9 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
     post, why = post_head_of(model)
     on_cuda = cuda_reason(head.weight)  # decided before any screen is built (hf_csv.speed)
-    sess = CSVSession(model=model, config=config, head=None if offloaded or post is None or on_cuda else
-                      get_certified_head(head, config), out_dtype=model_out_dtype(model, head), post=post)
+    entry = None if offloaded or post is None or on_cuda else head_entry(head, config)
+    sess = CSVSession(model=model, config=config, head=None if entry is None else entry.head, entry=entry,
+                      out_dtype=model_out_dtype(model, head), post=post)
     if offloaded:
         sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
                            "loaded only inside accelerate's hook")

@@ -125,7 +125,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
         sess.note("the int8 screen is still being packed (first call): full head for these steps")
         return _full(sess, inner, hidden)
-    guard = getattr(ch, "_speed_guard", None)
+    guard = None if sess.entry is None else sess.entry.guard
     gkey = None
     if guard is not None and guard.enabled():
         flush_guard(sess)  # a record the check did not complete (it did not run after that head call)

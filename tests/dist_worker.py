@@ -116,7 +116,7 @@ def check_tensor_parallel(rank, world, out):
         o = m.generate(ids, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(), return_dict_in_generate=True)
     from hf_csv.head import _HEADS
 
-    kinds = [type(h).__name__ for per in _HEADS.values() for h in per.values()]
+    kinds = [type(e.head).__name__ for per in _HEADS.values() for e in per.values()]
     out["tp"] = (torch.equal(tp_stock, ref), torch.equal(o.sequences, ref), o.csv_stats.get("certified", 0),
                  VocabParallelHead.__name__ in kinds)
 

@@ -105,9 +105,9 @@ def test_no_graph_break():
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert m.csv_last_stats["compiled_head"]["certified"] > 0
     # the graph runs the head's own screen provider (its eager kernels, through hf_csv::screen_bounds)
-    from hf_csv.head import find_head, get_certified_head
+    from hf_csv.head import find_head, head_entry
 
-    plans = list(get_certified_head(find_head(m)[1], CSVConfig()).__dict__["_static_plans"].values())
+    plans = list(head_entry(find_head(m)[1], CSVConfig()).static_plans.values())
     assert plans and all(p.screen_key is not None for p in plans)
 
 
@@ -381,7 +381,7 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
     """A compiled step cannot be timed: where the head's speed guard measured the full head faster on the eager steps
     (same mode and batch), the graph gets stock's head, the session stays certified for its eager steps (which keep
     feeding the guard), the reason is logged, and the tokens are stock compiled's."""
-    from hf_csv.head import find_head, get_certified_head
+    from hf_csv.head import find_head, head_entry
     from hf_csv.speed import SpeedGuard
     from hf_csv_kernels.threads import rows_bucket
 
@@ -390,8 +390,8 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
     x = _inputs(m)
     kw = dict(max_new_tokens=6, top_k=10, temperature=0.9) if sampled else dict(max_new_tokens=6)
     run = (lambda csv: _sampled(m, x, csv, **kw)) if sampled else (lambda csv: _gen(m, x, csv, **kw)[0])
-    ch = get_certified_head(find_head(m)[1], CSVConfig())
-    ch._speed_guard = g = SpeedGuard()  # (tiny heads have none: MIN_WEIGHTS)
+    entry = head_entry(find_head(m)[1], CSVConfig())
+    entry.guard = g = SpeedGuard()  # (tiny heads have none: MIN_WEIGHTS)
     try:
         key = ("topk", 0, rows_bucket(x["input_ids"].shape[0]), torch.float32, torch.get_num_threads())
         for _ in range(4):
@@ -413,4 +413,4 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
         assert torch.equal(ref, got)
         assert m.csv_last_stats["compiled_head"]["rows"] > 0
     finally:
-        del ch._speed_guard
+        entry.guard = None

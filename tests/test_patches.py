@@ -121,3 +121,25 @@ def test_installed_during_the_call_and_nothing_left_behind(kind, expect):
             m.generate(**gen, csv_config=CSVConfig())
     assert probe.seen >= expect, (kind, sorted(expect - probe.seen))
     assert not _left_behind(m), _left_behind(m)
+
+
+def test_the_cached_head_gets_no_attributes_from_other_modules(monkeypatch):
+    """Per-weight state other modules keep (the speed guard, compiled static heads, the weights' key) lives in the
+    cache entry (hf_csv.head.HeadEntry), not on the CertifiedHead: after certified calls the head holds only what its
+    own methods set (the same attributes as after calling them directly)."""
+    import hf_csv.speed as speed
+    from hf_csv.head import find_head, head_entry
+
+    monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)  # (a guard for the tiny head)
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = {"input_ids": torch.tensor([[1, 5, 9, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    for kw in (dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.3), dict(do_sample=True, top_k=5)):
+        m.generate(**x, max_new_tokens=5, pad_token_id=0, csv_config=CSVConfig(), **kw)
+    entry = head_entry(find_head(m)[1], CSVConfig())
+    assert entry.guard is not None and entry.guard._state, "the speed guard was not used"
+    ch = entry.head
+    fresh = type(ch)(m.lm_head.weight if not hasattr(m.lm_head, "inner") else m.lm_head.inner.weight)
+    fresh.topk(torch.randn(2, ch.weight.shape[1]), 3)
+    fresh.sample(torch.randn(2, ch.weight.shape[1]))
+    extra = set(vars(ch)) - set(vars(fresh))
+    assert not extra, f"attributes on the cached certified head that its own calls do not set: {sorted(extra)}"
