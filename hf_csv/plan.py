@@ -420,7 +420,7 @@ def one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtyp
 class _Prefix:
     """The processors a CSVLogitsProcessor follows in one call: all of them (``every``), the order-preserving ones
     the bound ``ob`` runs through (``orders``), those a full-head re-run repeats (``runs``: not identity wrappers),
-    and whether all of them only mask (:func:`hf_csv.policy.masks_only`)."""
+    and whether all of them only mask (:func:`masks_only`)."""
 
     owner: object
     every: tuple
@@ -433,6 +433,7 @@ def log_step(c: Any, rows: int, reruns: int) -> None:
     """One record of the check processor ``c`` (``CSVLogitsProcessor(record=True)``)."""
     if c.record:
         c.records.append({"rows": rows, "reruns": reruns})
+
 
 def prefix(c: Any, sess: Any) -> _Prefix:
     """The processors before the check ``c`` in the call's list, sorted once per call (the list is fixed per call)."""
@@ -450,9 +451,11 @@ def prefix(c: Any, sess: Any) -> _Prefix:
             runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
     return got
 
+
 def orders(c: Any, sess: Any) -> tuple:
-    """The order-preserving processors before this one (e.g. temperature), which bounds run through."""
+    """The order-preserving processors before the check ``c`` (e.g. temperature), which bounds run through."""
     return prefix(c, sess).orders
+
 
 def outside_bound(c: Any, input_ids: torch.Tensor, sess: Any, last, p: int) -> torch.Tensor:
     """[B] fp32: a bound on every uncomputed token's processed score at this place (docs/certificates.md §3.2):
@@ -467,12 +470,14 @@ def outside_bound(c: Any, input_ids: torch.Tensor, sess: Any, last, p: int) -> t
         ob = proc(input_ids, ob)
     return ob[:, 0].masked_fill(bound == float("-inf"), float("-inf"))  # complete rows: nothing outside
 
+
 def _before_me(c: Any, input_ids: torch.Tensor, x: torch.Tensor, sess: Any) -> torch.Tensor:
     """``x`` through the processors that run before this one (each maps every token's score by a non-decreasing
     function of that score: "order" and "lower" kinds), as stock runs them."""
     for proc in prefix(c, sess).every:
         x = proc(input_ids, x)
     return x
+
 
 def processed_interval(c: Any, input_ids, sess, last, p, scores: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,6 +497,7 @@ def processed_interval(c: Any, input_ids, sess, last, p, scores: Optional[torch.
         return lo.float().masked_fill(M, float("-inf")), hi.float().masked_fill(M, float("-inf"))
     return (_before_me(c, input_ids, lo, sess).float(), _before_me(c, input_ids, hi, sess).float())
 
+
 def set_undecided(c: Any, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
     """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
     are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
@@ -501,6 +507,7 @@ def set_undecided(c: Any, input_ids, scores, sess, last, p, k, ob) -> torch.Tens
         return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
     f_lo, f_hi = processed_interval(c, input_ids, sess, last, p, scores)
     return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
+
 
 def rerun(c: Any, input_ids, scores, sess, last, p, bad):
     """Recompute the ``bad`` rows with the stock head and re-run the preceding processors."""
