@@ -1,0 +1,269 @@
+"""hf_csv's certified LM head inside vLLM (a ``vllm.general_plugins`` plugin named ``hf_csv``).
+
+What it guarantees: on a batch it certifies, the token vLLM's sampler picks is the token stock vLLM picks.
+Only **greedy** batches are certified (every row at temperature 0): the head returns, per row, exact values on a
+sub-vocabulary S that provably holds stock's argmax (``CertifiedHead.topk(k=1)``, docs/certificates.md §2 and
+§2.0) and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token. Everything else takes
+vLLM's own head for the whole batch, with the reason counted in :func:`stats`:
+
+* rows that sample (temperature > 0: top-k, top-p, min-p, plain temperature): vLLM's Gumbel draw reads the
+  values on S, and hf_csv's values are not bit-identical to vLLM's prepacked oneDNN GEMM (not proven);
+* logprobs or prompt logprobs, ``logprob_token_ids`` (they read the whole row's normaliser);
+* penalties, ``logit_bias``, ``min_tokens`` still active, bad words, allowed token ids, a user logits processor
+  that is not argmax-invariant, a thinking budget, structured outputs (each changes entries before the argmax);
+* a mixed batch (one ineligible row declines the batch: a GEMM over fewer rows may round differently);
+* speculative decoding, tensor parallelism (vocabulary shards), a quantized or LoRA head, soft cap, a logit scale
+  other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
+* a hidden state the certificate cannot bound (non-finite, out of range), a row whose argmax the recomputed
+  values' slack leaves open (a near tie), a sub-vocabulary over the budget;
+* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
+
+Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
+to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the proof is docs/certificates.md §2.
+The screen is built from the head's weights on the first certified call of each process (seconds on a 150k
+vocabulary), not read from an ``hf-csv build`` artifact.
+
+Touch points (both installed by :func:`register`, once per process; ``VLLM_PLUGINS`` without ``hf_csv``
+installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, and a wrapper of
+``GPUModelRunner.execute_model`` (the CPU runner inherits it) that lets the head read the step's sampling metadata
+while the runner computes that step's logits. Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+
+from .certificate import CertifiedHead, CertStats
+from .speed import SpeedGuard
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "head_decline_reason", "certify_greedy"]
+
+# the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
+_RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
+_LOCK = threading.Lock()
+_REGISTERED = False
+_STATS: dict[str, Any] = {"rows": 0, "certified": 0, "full": 0, "declined": Counter()}
+
+_BUILTIN_NON_INVARIANT = {"LogitBiasLogitsProcessor": "biases", "MinTokensLogitsProcessor": "min_toks"}
+
+
+def stats() -> dict:
+    """This process's counts: every row the head computed is ``certified`` or ``full``; ``declined`` counts the
+    reasons of the full rows (one per row)."""
+    with _LOCK:
+        return {"rows": _STATS["rows"], "certified": _STATS["certified"], "full": _STATS["full"],
+                "declined": dict(_STATS["declined"])}
+
+
+def reset_stats() -> None:
+    with _LOCK:
+        _STATS.update(rows=0, certified=0, full=0, declined=Counter())
+
+
+def _count(rows: int, certified: bool, reason: Optional[str] = None) -> None:
+    with _LOCK:
+        _STATS["rows"] += rows
+        _STATS["certified" if certified else "full"] += rows
+        if not certified:
+            _STATS["declined"][reason or "unknown"] += rows
+
+
+def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = False,
+                         speculative: bool = False) -> Optional[str]:
+    """Why a batch's sampling parameters need vLLM's full head, or None when every row is greedy and nothing
+    between the head and the argmax changes an entry. ``sm``: vLLM's ``SamplingMetadata`` of the step."""
+    if speculative or any(getattr(sm, "spec_token_ids", None) or ()):
+        return "speculative decoding"
+    if rows != num_reqs:
+        return "rows are not the batch's requests"
+    if not sm.all_greedy:
+        return "sampling rows" if sm.all_random else "mixed batch"
+    if sm.max_num_logprobs is not None or sm.logprob_token_ids:
+        return "logprobs"
+    if not sm.no_penalties:
+        return "penalties"
+    if sm.allowed_token_ids_mask is not None:
+        return "allowed token ids"
+    if sm.bad_words_token_ids:
+        return "bad words"
+    for proc in sm.logitsprocs.non_argmax_invariant:
+        field = _BUILTIN_NON_INVARIANT.get(type(proc).__name__)
+        if field is None:
+            return f"logits processor {type(proc).__name__}"
+        if getattr(proc, field, None):
+            return "logit bias" if field == "biases" else "min tokens"
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return "thinking budget"
+    if structured:
+        return "structured outputs"
+    return None
+
+
+def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
+                        embedding_bias: Optional[torch.Tensor]) -> Optional[str]:
+    """Why this head cannot be certified at all (its configuration, not the batch), or None."""
+    if layer.logits_as_input:
+        return "logits as input"
+    if getattr(lm_head, "tp_size", 1) != 1:
+        return "tensor parallel"
+    if type(getattr(lm_head, "quant_method", None)).__name__ not in ("UnquantizedEmbeddingMethod",
+                                                                    "UnquantizedLinearMethod"):
+        return "quantized head"
+    if layer.soft_cap is not None or layer.scale != 1.0:
+        return "soft cap or logit scale"
+    if embedding_bias is not None:
+        return "embedding bias"
+    if layer.head_dtype is not None and layer.head_dtype != hidden_states.dtype:
+        return "head dtype"
+    if hidden_states.device.type != "cpu":
+        return "not a CPU tensor"
+    w = getattr(lm_head, "weight", None)
+    if w is None or w.dim() != 2 or w.dtype != hidden_states.dtype:
+        return "head weight"
+    return None
+
+
+def certify_greedy(head: CertifiedHead, H: torch.Tensor) -> tuple[Optional[torch.Tensor], CertStats, Optional[str]]:
+    """Logits [N, V] in ``H``'s dtype whose first maximum is, on every row, the first maximum of stock's
+    ``F.linear(H, W)`` rounded to that dtype, whatever order its GEMM sums in (docs/certificates.md §2, §2.0);
+    −inf outside the certified set. Returns ``(None, stats, reason)`` when a row is not proven from the
+    recomputed values alone (a fallback row, a near tie, a non-finite or out-of-range hidden state): hf_csv's own
+    full rows are ``F.linear``'s, not the caller's kernel's, so the caller must then use its own head."""
+    res = head.topk(H, k=1, out_dtype=H.dtype)
+    st = res.stats
+    if res.slack is None or st.nonfinite or st.out_of_range:
+        return None, st, "hidden state out of range"
+    # slack > 0: the row's values are hf_csv's gathered recompute and its argmax is decided within their slack;
+    # slack 0 marks hf_csv's own full rows (over the budget, dense, near ties)
+    if not bool((res.slack > 0).all()):
+        return None, st, "near tie" if st.near_ties else "over budget"
+    return res.logits, st, None
+
+
+def _max_rows() -> int:
+    """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
+    return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
+
+
+def _runner_wrapper(execute_model):
+    @functools.wraps(execute_model)
+    def execute_model_with_hf_csv(self, scheduler_output, *args, **kwargs):
+        token = _RUNNER.set((self, scheduler_output))
+        try:
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        finally:
+            _RUNNER.reset(token)
+    execute_model_with_hf_csv.__hf_csv_wrapped__ = execute_model
+    return execute_model_with_hf_csv
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_class():
+    """The ``LogitsProcessor`` subclass vLLM instantiates in place of its own (built on first use: imports vLLM)."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    class CsvLogitsProcessor(LogitsProcessor):
+        """vLLM's ``LogitsProcessor`` with the certified head on greedy batches (module docstring)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._hf_csv_head: Optional[CertifiedHead] = None
+            self._hf_csv_key: Optional[tuple] = None
+            self._hf_csv_guard = SpeedGuard()
+
+        def _certified_head(self, lm_head) -> CertifiedHead:
+            w = lm_head.weight
+            key = (w.data_ptr(), tuple(w.shape), w.dtype, self.org_vocab_size)
+            if self._hf_csv_key != key:  # weights (re)loaded: a new screen
+                self._hf_csv_head = CertifiedHead(w.detach()[: self.org_vocab_size])
+                self._hf_csv_key = key
+            return self._hf_csv_head
+
+        def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
+            got = _RUNNER.get()
+            rows = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+            reason = None
+            if os.environ.get("HF_CSV_VLLM", "1") == "0":
+                reason = "HF_CSV_VLLM=0"
+            elif got is None or skip_gather:
+                reason = "not a decode step"
+            elif rows < 1:
+                reason = "hidden states shape"
+            else:
+                reason = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
+            if reason is None:
+                runner, sched = got
+                reason = batch_decline_reason(
+                    runner.input_batch.sampling_metadata, rows, runner.input_batch.num_reqs,
+                    structured=bool(getattr(sched, "has_structured_output_requests", False)),
+                    speculative=getattr(runner, "speculative_config", None) is not None)
+            if reason is None and rows > _max_rows():
+                reason = "batch above HF_CSV_VLLM_MAX_ROWS"
+            if reason is not None:
+                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                if rows > 0 and got is not None:
+                    _count(rows, False, reason)
+                return out
+            key = ("greedy", rows, hidden_states.dtype, torch.get_num_threads())
+            guard = self._hf_csv_guard
+            t0 = time.perf_counter()
+            if not guard.certified(key, rows):
+                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                guard.record(key, False, time.perf_counter() - t0)
+                _count(rows, False, "speed guard")
+                return out
+            # vLLM runs under inference mode; hf_csv's screen fills its buffers from worker threads, which are
+            # not, and an in-place write to an inference tensor outside it is refused: so neither side uses it
+            with torch.inference_mode(False), torch.no_grad():
+                head = self._certified_head(lm_head)
+                H = hidden_states.detach()
+                if not head.ready(H):
+                    reason = "screen still packing"
+                    logits = None
+                else:
+                    logits, _st, reason = certify_greedy(head, H)
+            if logits is None:
+                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                _count(rows, False, reason)
+                return out
+            guard.record(key, True, time.perf_counter() - t0)
+            _count(rows, True)
+            return logits
+
+    CsvLogitsProcessor.__qualname__ = CsvLogitsProcessor.__name__
+    CsvLogitsProcessor.__module__ = __name__
+    return CsvLogitsProcessor
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs the layer swap and the runner wrapper (idempotent; vLLM
+    calls it once in every process it starts)."""
+    global _REGISTERED
+    with _LOCK:
+        if _REGISTERED:
+            return
+        from vllm.model_executor.custom_op import op_registry_oot
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if "LogitsProcessor" in op_registry_oot:
+            logger.warning("hf_csv: another plugin replaced vLLM's LogitsProcessor (%s); hf_csv stays off",
+                           op_registry_oot["LogitsProcessor"])
+            _REGISTERED = True
+            return
+        LogitsProcessor.register_oot(_layer_class())
+        if not hasattr(GPUModelRunner.execute_model, "__hf_csv_wrapped__"):
+            GPUModelRunner.execute_model = _runner_wrapper(GPUModelRunner.execute_model)
+        _REGISTERED = True
+        logger.info("hf_csv: certified LM head registered with vLLM (greedy batches; docs/vllm.md)")
