@@ -240,6 +240,9 @@ def _layer_class():
                     logits, _st, reason = certify_greedy(head, H)
             if logits is None:
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                if guard is not None and reason != "screen still packing":
+                    # a declined try cost the certified side both heads: the guard must see it (bf16 near ties)
+                    guard.record(key, True, time.perf_counter() - t0)
                 _count(rows, False, reason)
                 return out
             if guard is not None:
