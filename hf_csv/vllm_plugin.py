@@ -21,7 +21,7 @@ vLLM's own head for the whole batch, with the reason counted in :func:`stats`:
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
 to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the proof is docs/certificates.md §2.
 The screen is built from the head's weights on the first certified call of each process (seconds on a 150k
-vocabulary), not read from an ``hf-csv build`` artifact.
+vocabulary, vLLM's head meanwhile), or read from an ``hf-csv build`` artifact named by ``HF_CSV_VLLM_ARTIFACT``.
 
 Touch points (both installed by :func:`register`, once per process; ``VLLM_PLUGINS`` without ``hf_csv``
 installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, and a wrapper of
@@ -46,7 +46,8 @@ from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "head_decline_reason", "certify_greedy"]
+__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "head_decline_reason", "certify_greedy",
+           "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
@@ -154,6 +155,26 @@ def certify_greedy(head: CertifiedHead, H: torch.Tensor) -> tuple[Optional[torch
     return res.logits, st, None
 
 
+def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
+    """The certified head of ``weight`` [V, d] as vLLM's worker needs it: on the caller's thread count (vLLM's CPU
+    worker owns it: its ``torch.set_num_threads`` is a no-op that warns), a large head packed in the background
+    (vLLM's head meanwhile). ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
+    the quantization; it must have been built for this head (checked: a mismatch raises, as in ``generate``)."""
+    kw: dict = {"background": True}
+    if artifact:
+        from .artifact import CSVArtifact
+
+        art = CSVArtifact.from_pretrained(artifact)
+        art.check_head(weight, None)
+        if art.screen is not None and art.screen.quant == "int8":
+            # the stored codes; error terms recomputed from this head, columns re-chosen from the first real rows
+            kw.update(rows=art.screen.rows_for(weight), outlier_cols=art.screen.outlier_cols, recalibrate=True)
+        head = CertifiedHead(weight, tune_threads=False, **kw)
+        art.wait_verified()  # its sha256 ran beside the load
+        return head
+    return CertifiedHead(weight, tune_threads=False, **kw)
+
+
 def _max_rows() -> int:
     """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
     return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
@@ -189,8 +210,8 @@ def _layer_class():
             w = lm_head.weight
             key = (w.data_ptr(), tuple(w.shape), w.dtype, self.org_vocab_size)
             if self._hf_csv_key != key:  # weights (re)loaded: a new screen
-                # vLLM's CPU worker owns the thread count (its torch.set_num_threads is a no-op that warns)
-                self._hf_csv_head = CertifiedHead(w.detach()[: self.org_vocab_size], tune_threads=False)
+                self._hf_csv_head = build_head(w.detach()[: self.org_vocab_size],
+                                               os.environ.get("HF_CSV_VLLM_ARTIFACT") or None)
                 self._hf_csv_key = key
             return self._hf_csv_head
 

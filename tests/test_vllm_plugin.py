@@ -164,3 +164,29 @@ def test_plugin_module_imports_neither_vllm_nor_transformers():
             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('transformers', 'vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_head_from_an_artifact_skips_quantization_and_refuses_another_head(tmp_path, monkeypatch):
+    from hf_csv import vllm_plugin
+    from hf_csv.artifact import CSVArtifact
+    from hf_csv.errors import CSVError
+
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(2000, 32, generator=g) * 0.1
+    CSVArtifact.build(W).save_pretrained(tmp_path / "art")
+    import hf_csv.bounds as bounds
+
+    called = []
+    real = bounds.quantize_rows_int8
+    monkeypatch.setattr(bounds, "quantize_rows_int8", lambda *a, **k: called.append(1) or real(*a, **k))
+    vllm_plugin.build_head(W)  # (the probe sees a quantization)
+    assert called
+    called.clear()
+    head = vllm_plugin.build_head(W, str(tmp_path / "art"))
+    H = torch.randn(4, 32, generator=g) * 3
+    head.ready(H)
+    logits, st, reason = certify_greedy(head, H)
+    assert not called and logits is not None
+    assert torch.equal(logits.argmax(1), F.linear(H, W).argmax(1))
+    with pytest.raises(CSVError):
+        vllm_plugin.build_head(W * 1.5, str(tmp_path / "art"))
