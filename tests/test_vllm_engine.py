@@ -18,14 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("HF_CSV_MODELS", Path.home() / ".cache" / "hf-csv-models"))
 
 
-@pytest.mark.parametrize("model, dtype", [("smollm2-135m", "float32"), ("smollm2-135m", "bfloat16")])
-def test_plugin_tokens_equal_stock_vllm(model, dtype, tmp_path):
+# (bf16 decodes several times slower than fp32 on an AVX2 CPU without native bf16: fewer prompts)
+@pytest.mark.parametrize("model, dtype, prompts", [("smollm2-135m", "float32", 8), ("smollm2-135m", "bfloat16", 4)])
+def test_plugin_tokens_equal_stock_vllm(model, dtype, prompts, tmp_path):
     path = MODELS / model
     if not (path / "config.json").exists():
         pytest.skip(f"{path} missing: python ../shared/models/prepare.py ci")
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_exactness.py"), "--model", str(path), "--dtype",
-                    dtype, "--prompts", "8", "--max-tokens", "16", "--json", str(out)], check=False, cwd=ROOT,
+                    dtype, "--prompts", str(prompts), "--max-tokens", "16", "--json", str(out)], check=False, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
     r = json.loads(out.read_text())
     assert r["identical"] == {"greedy": True, "top_k": True, "temperature": True, "controls": True}, \
@@ -36,4 +37,4 @@ def test_plugin_tokens_equal_stock_vllm(model, dtype, tmp_path):
     assert g["rows"] == g["certified"] + g["full"] and g["certified"] > 0
     assert r["plugin_rows"]["top_k"]["declined"] == {"sampling rows": r["plugin_rows"]["top_k"]["rows"]}
     c = r["plugin_rows"]["controls"]
-    assert c["certified"] == 0 and set(c["declined"]) <= {"logprobs", "penalties"}, c
+    assert c["certified"] == 0 and set(c["declined"]) <= {"logprobs", "prompt logprobs", "penalties"}, c
