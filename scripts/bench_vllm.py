@@ -99,10 +99,13 @@ def serve(args) -> dict:
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         port = args.port
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--dtype",
-                                 args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
+        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_vllm_serve_{side}.log", "w")
+        # `vllm serve`'s own entry point reads importlib.metadata.version("vllm"), which vllm-cpu 0.32.0 (distributed
+        # as "vllm-cpu") lacks; the OpenAI server module runs the same server
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+                                 "--dtype", args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
                                  "--max-num-seqs", str(args.concurrency), "--seed", "0"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
             deadline = time.time() + 600
