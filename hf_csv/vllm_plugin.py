@@ -16,8 +16,7 @@ vLLM's own head for the whole batch, with the reason counted in :func:`stats`:
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range), a row whose argmax the recomputed
   values' slack leaves open (a near tie), a sub-vocabulary over the budget;
-* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`, timing whole
-  engine steps: from one head call to the next on the same batch shape).
+* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
 
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
 to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the proof is docs/certificates.md §2.
@@ -206,7 +205,6 @@ def _layer_class():
             self._hf_csv_head: Optional[CertifiedHead] = None
             self._hf_csv_key: Optional[tuple] = None
             self._hf_csv_guard = SpeedGuard()
-            self._hf_csv_prev: Optional[tuple] = None  # (guard key, certified?, start) of the last eligible call
 
         def _certified_head(self, lm_head) -> CertifiedHead:
             w = lm_head.weight
@@ -238,24 +236,19 @@ def _layer_class():
                     prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
             if reason is None and rows > _max_rows():
                 reason = "batch above HF_CSV_VLLM_MAX_ROWS"
-            now = time.perf_counter()
-            guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
-            key = ("greedy", rows, hidden_states.dtype, torch.get_num_threads())
-            prev, self._hf_csv_prev = self._hf_csv_prev, None
-            if guard is not None and reason is None and prev is not None and prev[0] == key:
-                # The guard times whole steps, head call to head call on the same batch shape: the head's cost
-                # and whatever it leaves to the rest of the step (measured: SmolLM2 at 8 rows, a certified head
-                # faster alone made decoding 10 % slower), so the side it keeps is the faster *engine step*
-                guard.record(key, prev[1], now - prev[2])
             if reason is not None:
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
                 if rows > 0 and got is not None:
                     _count(rows, False, reason)
                 return out
+            key = ("greedy", rows, hidden_states.dtype, torch.get_num_threads())
+            guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
+            t0 = time.perf_counter()
             if guard is not None and not guard.certified(key, rows):
-                self._hf_csv_prev = (key, False, now)
+                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                guard.record(key, False, time.perf_counter() - t0)
                 _count(rows, False, "speed guard")
-                return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                return out
             # vLLM runs under inference mode; hf_csv's screen fills its buffers from worker threads, which are
             # not, and an in-place write to an inference tensor outside it is refused: so neither side uses it
             with torch.inference_mode(False), torch.no_grad():
@@ -266,12 +259,15 @@ def _layer_class():
                     logits = None
                 else:
                     logits, _st, reason = certify_greedy(head, H)
-            if reason != "screen still packing":
-                # a declined try costs the certified side both heads: its step is timed as a certified one
-                self._hf_csv_prev = (key, True, now)
             if logits is None:
+                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                if guard is not None and reason != "screen still packing":
+                    # a declined try cost the certified side both heads: the guard must see it (bf16 near ties)
+                    guard.record(key, True, time.perf_counter() - t0)
                 _count(rows, False, reason)
-                return super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                return out
+            if guard is not None:
+                guard.record(key, True, time.perf_counter() - t0)
             _count(rows, True)
             return logits
 
