@@ -55,6 +55,7 @@ _LOCK = threading.Lock()
 _REGISTERED = False
 _STATS: dict[str, Any] = {"rows": 0, "certified": 0, "full": 0, "declined": Counter()}
 
+_BUILTIN_MODULE = "vllm.v1.sample.logits_processor.builtin"
 _BUILTIN_NON_INVARIANT = {"LogitBiasLogitsProcessor": "biases", "MinTokensLogitsProcessor": "min_toks"}
 
 
@@ -101,7 +102,9 @@ def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = F
     if sm.bad_words_token_ids:
         return "bad words"
     for proc in sm.logitsprocs.non_argmax_invariant:
-        field = _BUILTIN_NON_INVARIANT.get(type(proc).__name__)
+        # vLLM's own builtins (checked by module too: a user class of the same name is not trusted), idle when empty
+        builtin = type(proc).__module__ == _BUILTIN_MODULE
+        field = _BUILTIN_NON_INVARIANT.get(type(proc).__name__) if builtin else None
         if field is None:
             return f"logits processor {type(proc).__name__}"
         if getattr(proc, field, None):
@@ -217,6 +220,12 @@ def _layer_class():
 
         def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
             got = _RUNNER.get()
+            if not isinstance(self, CsvLogitsProcessor):
+                # vLLM's LoRA wrapper (LogitsProcessorWithLoRA) runs its base layer's class's forward on itself, with
+                # the LoRA delta inside its own _get_logits: vLLM's forward, as without the plugin
+                if got is not None and hidden_states.dim() == 2:
+                    _count(hidden_states.shape[0], False, "LoRA head")
+                return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
             rows = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
             reason = None
             if os.environ.get("HF_CSV_VLLM", "1") == "0":

@@ -38,3 +38,22 @@ def test_plugin_tokens_equal_stock_vllm(model, dtype, prompts, tmp_path):
     assert r["plugin_rows"]["top_k"]["declined"] == {"sampling rows": r["plugin_rows"]["top_k"]["rows"]}
     c = r["plugin_rows"]["controls"]
     assert c["certified"] == 0 and set(c["declined"]) <= {"logprobs", "prompt logprobs", "penalties"}, c
+
+
+def test_lora_wrapper_calls_take_vllms_head():
+    """vLLM's LogitsProcessorWithLoRA calls ``type(base_layer).forward(self, ...)`` on itself, the LoRA delta inside
+    its own ``_get_logits``: the plugin must hand such a call to vLLM's forward, never certify the bare head."""
+    import torch
+
+    from hf_csv import vllm_plugin
+
+    cls = vllm_plugin._layer_class()
+
+    class Wrapper:
+        logits_as_input, soft_cap, scale = False, None, 1.0
+
+        def _get_logits(self, h, lm_head, bias, skip_gather=False):
+            return h @ lm_head.T + 1.0  # (the "delta": not what the bare head gives)
+
+    W, H = torch.randn(50, 8), torch.randn(2, 8)
+    assert torch.equal(cls.forward(Wrapper(), W, H), H @ W.T + 1.0)

@@ -28,6 +28,18 @@ class UserProcessor:
     pass
 
 
+BUILTIN = "vllm.v1.sample.logits_processor.builtin"
+LogitBiasLogitsProcessor.__module__ = MinTokensLogitsProcessor.__module__ = BUILTIN
+
+
+class ImpostorBias:  # a user processor that borrows a builtin's name is not trusted
+    def __init__(self):
+        self.biases = {}
+
+
+ImpostorBias.__name__ = "LogitBiasLogitsProcessor"
+
+
 def _sm(**kw):
     base = dict(all_greedy=True, all_random=False, max_num_logprobs=None, logprob_token_ids=None, no_penalties=True,
                 allowed_token_ids_mask=None, bad_words_token_ids={}, spec_token_ids=[[], []],
@@ -56,6 +68,8 @@ def test_greedy_batch_with_idle_builtin_processors_is_eligible():
     (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[MinTokensLogitsProcessor({0: (4, [], set(), 0)})])),
      "min tokens"),
     (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[UserProcessor()])), "logits processor UserProcessor"),
+    (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[ImpostorBias()])),
+     "logits processor LogitBiasLogitsProcessor"),
     (dict(thinking_budget_state_holder=SimpleNamespace(has_tracked_requests=lambda: True)), "thinking budget"),
 ])
 def test_each_entry_changing_step_declines_the_batch(change, reason):
