@@ -10,8 +10,10 @@ So the folder carries hf_csv itself, flattened: ``hf_csv/X.py`` becomes ``csv_X.
 ``kern_X.py`` (the packages' ``__init__`` become ``csv_pkg.py`` / ``kern_pkg.py``), every import of the two packages is
 rewritten to a relative import of the flat name, and the AVX2 kernel's C source travels as a module
 (``kern_csrc_screen_avx2.py``). ``generate.py`` names every file in a never-executed block, so that the loader fetches
-them all. Left out: the CLI (``cli.py``) and the Triton kernels (``triton_ops.py``: ``import triton`` would make the
-loader refuse the folder on a machine without it; the torch references serve on GPU instead).
+them all. Left out: the CLI (``cli.py``), the vLLM plugin (``vllm_plugin.py``: transformers' loader reads every
+``import`` in a carried file, ``vllm`` included, and refuses the folder where one is missing) and the Triton kernels
+(``triton_ops.py``: ``import triton`` would make the loader refuse the folder on a machine without it; the torch
+references serve on GPU instead).
 
 A repository made this way needs no ``pip install`` of hf_csv (which is not on PyPI), only what hf_csv imports:
 torch, safetensors, huggingface_hub, numpy, tqdm — transformers' own dependencies.
@@ -27,7 +29,8 @@ __all__ = ["vendor_into", "VENDORED_MODULES"]
 
 _ROOT = Path(__file__).resolve().parent
 _PKGS = {"hf_csv": ("csv_", _ROOT), "hf_csv_kernels": ("kern_", _ROOT.parent / "hf_csv_kernels")}
-_SKIP = {("hf_csv", "cli.py"), ("hf_csv", "vendor.py"), ("hf_csv_kernels", "triton_ops.py")}
+_SKIP = {("hf_csv", "cli.py"), ("hf_csv", "vendor.py"), ("hf_csv", "vllm_plugin.py"),
+         ("hf_csv_kernels", "triton_ops.py")}
 
 
 def _flat(pkg: str, mod: str) -> str:
