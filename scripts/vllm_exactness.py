@@ -100,11 +100,11 @@ def main() -> None:
     got = {}
     for side in ("plugin", "stock"):
         tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm_exactness_{os.getpid()}_{side}.json"
-        cmd = [sys.executable, __file__, "--worker", side, "--worker-out", str(tmp)] + [
-            a for a in sys.argv[1:] if not a.startswith("--json")]
-        if "--json" in sys.argv:  # drop --json's value too
-            i = sys.argv.index("--json")
-            cmd = [sys.executable, __file__, "--worker", side, "--worker-out", str(tmp)] + sys.argv[1:i] + sys.argv[i + 2:]
+        argv = sys.argv[1:]
+        if "--json" in argv:  # the driver writes the result, not the workers: drop --json and its value
+            i = argv.index("--json")
+            argv = argv[:i] + argv[i + 2:]
+        cmd = [sys.executable, __file__, "--worker", side, "--worker-out", str(tmp)] + argv
         subprocess.run(cmd, env=_env(side == "plugin"), check=True)
         got[side] = json.loads(tmp.read_text())
         tmp.unlink()
