@@ -226,8 +226,6 @@ def test_sampling_rows_are_one_hot_draws_and_greedy_rows_stay_exact():
 def test_sampling_rows_follow_the_stock_heads_law(plan):
     """Chi-square goodness of fit of 3,000 draws per row (fixed seed, level 1e-3) against softmax(top-k(stock /
     T)) of the stock head (fp64 products: not F.linear's rounding)."""
-    from scipy.stats import chisquare
-
     torch.manual_seed(11)
     g = torch.Generator().manual_seed(4)
     V, d = 200, 16
@@ -253,7 +251,12 @@ def test_sampling_rows_follow_the_stock_heads_law(plan):
         exp = torch.cat([e[big], e[~big].sum().view(1)]).double()
         keep = exp > 0
         assert float(draws[r][p[r] == 0].sum()) == 0  # nothing outside the law's support
-        assert chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue > 1e-3
+        obs, exp = obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()
+        chi2 = float(((obs - exp) ** 2 / exp).sum())
+        # (the chi-square survival function; scipy is not in vLLM's environment, where this file runs too)
+        pvalue = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                               torch.tensor(chi2 / 2, dtype=torch.float64)))
+        assert pvalue > 1e-3, (r, chi2, pvalue)
 
 
 def test_stats_count_and_reset():
