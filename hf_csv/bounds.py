@@ -143,6 +143,12 @@ class ScreenProvider:
         """False while the int8 rows are still being packed in the background (the screen would wait)."""
         return self.state is not None and self.state.ready.is_set()
 
+    def settled(self) -> bool:
+        """Whether the one-off work of the first calls is over: packed, and the columns' re-choice from the first
+        ``recalibrate_rows`` rows done (calls before it are slower than the screen's steady state: a speed guard
+        must not judge the screen by them)."""
+        return self.ready() and self._seen is None and (self._recal is None or not self._recal.is_alive())
+
     @torch.no_grad()
     def calibrate(self, H: torch.Tensor) -> torch.Tensor:
         """Fix the outlier columns from calibration hidden states (no later recalibration); returns them."""

@@ -225,6 +225,12 @@ class CertifiedHead:
             p.warm(H.reshape(-1, self.hidden_size))
         return bool(p.ready()) if hasattr(p, "ready") else True
 
+    def settled(self) -> bool:
+        """Whether the provider's one-off work of the first calls (packing, the columns' re-choice) is over: a
+        caller timing certified calls against the full head (a speed guard) ignores calls before it."""
+        p = self.provider
+        return bool(p.settled()) if hasattr(p, "settled") else True
+
     def full(self, H: torch.Tensor) -> torch.Tensor:
         """The full head in fp32 arithmetic (the real-valued reference of the bounds' tests)."""
         out = H.float() @ self.weight.float().T if self.weight.dtype != torch.float32 else H.float() @ self.weight.T

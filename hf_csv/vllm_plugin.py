@@ -45,6 +45,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -55,13 +56,14 @@ from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "stats", "reset_stats", "batch_decline_reason", "row_plans", "head_decline_reason",
+__all__ = ["register", "stats", "reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
            "RowPlan", "certify_batch", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
 _LOCK = threading.Lock()
 _REGISTERED = False
+_LAYERS: "weakref.WeakSet" = weakref.WeakSet()  # this process's plugin layers (their speed guards' summaries)
 _STATS: dict[str, Any] = {"rows": 0, "certified": 0, "sampled": 0, "full": 0, "declined": Counter()}
 
 _BUILTIN_MODULE = "vllm.v1.sample.logits_processor.builtin"
@@ -75,6 +77,18 @@ def stats() -> dict:
     with _LOCK:
         return {"rows": _STATS["rows"], "certified": _STATS["certified"], "sampled": _STATS["sampled"],
                 "full": _STATS["full"], "declined": dict(_STATS["declined"])}
+
+
+def guard_summary() -> dict:
+    """This process's speed-guard choices: per (kind, rows, dtype, threads) key the median time of a certified call
+    and of vLLM's head (ms) and the current choice (keys measured on both sides only)."""
+    out = {}
+    for layer in list(_LAYERS):
+        for key in list(layer._hf_csv_guard._state):
+            summ = layer._hf_csv_guard.summary(key)
+            if summ is not None:
+                out[str(key)] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in summ.items()}
+    return out
 
 
 def reset_stats() -> None:
@@ -305,6 +319,7 @@ def _layer_class():
             self._hf_csv_head: Optional[CertifiedHead] = None
             self._hf_csv_key: Optional[tuple] = None
             self._hf_csv_guard = SpeedGuard()
+            _LAYERS.add(self)
 
         def _certified_head(self, lm_head) -> CertifiedHead:
             w = lm_head.weight
@@ -370,18 +385,21 @@ def _layer_class():
             with torch.inference_mode(False), torch.no_grad():
                 head = self._certified_head(lm_head)
                 H = hidden_states.detach()
+                settled = False
                 if not head.ready(H):
                     reason, logits = "screen still packing", None
                 else:
+                    settled = head.settled()  # (before the call: the call may finish the one-off work)
                     logits, counts, reason = certify_batch(head, H, plans, stock)
             if logits is None:
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
-                if guard is not None and reason != "screen still packing":
+                if guard is not None and reason != "screen still packing" and settled:
                     guard.record(key, True, time.perf_counter() - t0)  # a declined try cost both heads
                 _count(rows, False, reason)
                 return out
-            if guard is not None:
-                # rows that needed vLLM's whole-batch head cost the certified side both heads: the guard sees it
+            if guard is not None and settled:
+                # rows that needed vLLM's whole-batch head cost the certified side both heads: the guard sees it;
+                # calls before the screen settled (its first packing and column re-choice) are not its speed
                 guard.record(key, True, time.perf_counter() - t0)
             _count(counts["certified"], True, sampled=counts["sampled"])
             for why, n in counts["reasons"].items():

@@ -86,6 +86,7 @@ def offline(args) -> dict:
             "per_run_tok_s": {k: [round(x, 1) for x in v] for k, v in times.items()},
             "certified_fraction": round(cert["certified"] / max(1, cert["rows"]), 3),
             "sampled_rows": cert["sampled"],
+            "speed_guard": vllm_plugin.guard_summary(),
             "declined_rows": cert.get("declined", {}),
             "identical": None if args.sample else toks["stock"] == toks["hf_csv"],
         }
