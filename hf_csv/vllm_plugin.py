@@ -51,13 +51,13 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .certificate import H_MAX, H_MIN, CertifiedHead
+from .certificate import H_MAX, H_MIN, CertifiedHead, value_interval
 from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["register", "stats", "reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
-           "RowPlan", "certify_batch", "build_head"]
+           "RowPlan", "certify_batch", "shard_summary", "combine_shards", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
@@ -147,7 +147,9 @@ def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
     if layer.logits_as_input:
         return "logits as input"
     if getattr(lm_head, "tp_size", 1) != 1:
-        return "tensor parallel"
+        idx = getattr(lm_head, "shard_indices", None)
+        if idx is None or idx.num_added_elements:
+            return "tensor parallel head layout"
     if type(getattr(lm_head, "quant_method", None)).__name__ not in ("UnquantizedEmbeddingMethod",
                                                                     "UnquantizedLinearMethod"):
         return "quantized head"
@@ -269,6 +271,36 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
     return out, counts, None
 
 
+def shard_summary(logits: torch.Tensor, acc: torch.Tensor, slack: torch.Tensor, d: torch.dtype) -> torch.Tensor:
+    """[N, 3] fp32 per row of one vocabulary shard's certified greedy result: our value v at the shard's first
+    maximum w, and lo <= stock's value at w <= hi (value_interval of its accumulator ``acc`` [N, V_r] within the
+    row's ``slack``; lo = hi = v on rows that are stock's own). Every token of the shard has a stock value <= hi:
+    S's other tokens are decided below w within their slack, the rest lie below the certificate's bound
+    (docs/vllm.md, tensor parallelism)."""
+    lf = logits.float()
+    w = lf.argmax(1, keepdim=True)  # the first maximum, as vLLM's greedy sampler
+    v = lf.gather(1, w)[:, 0]
+    lo, hi = value_interval(acc, slack, d)
+    lo_w, hi_w = lo.gather(1, w)[:, 0], hi.gather(1, w)[:, 0]
+    exact = slack <= 0
+    return torch.stack([v, torch.where(exact, v, lo_w), torch.where(exact, v, hi_w)], 1)
+
+
+def combine_shards(summaries: torch.Tensor) -> torch.Tensor:
+    """bool [N]: rows whose global greedy token the shards' summaries decide ([T, N, 3], shards in vocabulary
+    order, as vLLM's all-gather concatenates them). The first maximum of the concatenated values lies in the
+    first shard r* with the largest v, at its own first maximum w; stock's is the same token when lo(w) exceeds
+    every earlier shard's hi (those tokens have lower ids: stock's first maximum would take them on a tie) and is
+    at least every later shard's hi. Undecided rows need every shard's stock row."""
+    v, lo, hi = summaries.unbind(-1)  # [T, N]
+    rstar = v.argmax(0)  # the first shard with the largest value (ties: the lower ids)
+    lo_star = lo.gather(0, rstar[None])[0]
+    ranks = torch.arange(v.shape[0], device=v.device)[:, None]
+    ok = torch.where(ranks < rstar[None], lo_star[None] > hi,
+                     torch.where(ranks > rstar[None], lo_star[None] >= hi, torch.ones_like(hi, dtype=torch.bool)))
+    return ok.all(0) & torch.isfinite(lo_star)
+
+
 def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
     """The certified head of ``weight`` [V, d] as vLLM's worker needs it: on the caller's thread count (vLLM's CPU
     worker owns it: its ``torch.set_num_threads`` is a no-op that warns), a large head packed in the background
@@ -323,12 +355,89 @@ def _layer_class():
 
         def _certified_head(self, lm_head) -> CertifiedHead:
             w = lm_head.weight
-            key = (w.data_ptr(), tuple(w.shape), w.dtype, self.org_vocab_size)
+            n = self._hf_csv_rows(lm_head)
+            key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
             if self._hf_csv_key != key:  # weights (re)loaded: a new screen
-                self._hf_csv_head = build_head(w.detach()[: self.org_vocab_size],
-                                               os.environ.get("HF_CSV_VLLM_ARTIFACT") or None)
+                # (an artifact is built for the whole head: under tensor parallelism each rank packs its shard)
+                art = os.environ.get("HF_CSV_VLLM_ARTIFACT") if getattr(lm_head, "tp_size", 1) == 1 else None
+                self._hf_csv_head = build_head(w.detach()[:n], art or None)
                 self._hf_csv_key = key
             return self._hf_csv_head
+
+        def _hf_csv_rows(self, lm_head) -> int:
+            """Rows of this rank's head weight that hold the model's own tokens (its shard's, under TP)."""
+            if getattr(lm_head, "tp_size", 1) > 1:
+                return lm_head.shard_indices.num_org_elements
+            return self.org_vocab_size
+
+        def _forward_tp(self, lm_head, hidden_states, embedding_bias, plans, rows, guard, key):
+            """Tensor parallelism (greedy rows only): each rank certifies its vocabulary shard, the ranks exchange
+            three numbers per row (``shard_summary``) and keep the certified shards where ``combine_shards``
+            decides every row, else every rank hands vLLM's gather its own shard's logits. Every rank reaches
+            here with the same batch (the classification reads only the step's metadata), and every rank joins
+            the same collectives whatever it finds: a rank that cannot certify says so in the first one."""
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            t0 = time.perf_counter()
+            width = lm_head.shard_indices.num_elements_padded
+            n_org = self._hf_csv_rows(lm_head)
+            cache: list[torch.Tensor] = []
+
+            def local_stock() -> torch.Tensor:  # vLLM's own shard logits, all rows (what its gather receives)
+                if not cache:
+                    cache.append(self._apply_head(lm_head, hidden_states, embedding_bias))
+                return cache[0]
+
+            why = None
+            if any(p.temperature for p in plans):
+                why = "sampling rows under tensor parallelism"
+            elif guard is not None and not guard.certified(key, rows):
+                why = "speed guard"
+            with torch.inference_mode(False), torch.no_grad():
+                head = self._certified_head(lm_head)
+                H = hidden_states.detach()
+                if why is None and not head.ready(H):
+                    why = "screen still packing"
+                settled = why is None and head.settled()
+                flags = tensor_model_parallel_all_gather(
+                    torch.tensor([[0.0 if why else 1.0]], device=H.device), dim=0)
+                res = None
+                if why is None and bool((flags > 0).all()):
+                    amax = H.float().abs().amax(1)
+                    if bool(((amax >= H_MIN) & (amax <= H_MAX)).all()):
+                        res = head.topk(H, k=1, out_dtype=H.dtype, stock=lambda Hn: local_stock()[:, :n_org])
+                elif why is None:
+                    why = "another rank declined"
+                if res is not None:
+                    summ = shard_summary(res.logits, res.acc_dense(), res.slack, H.dtype)
+                    summ = torch.cat([summ, torch.ones(rows, 1, device=H.device)], 1)
+                else:
+                    summ = torch.zeros(rows, 4, device=H.device)  # (a rank that did not certify: column 3 is 0)
+                if bool((flags > 0).all()):
+                    got = tensor_model_parallel_all_gather(summ[None], dim=0)  # [T, N, 4]
+                    ok = combine_shards(got[..., :3]) & (got[..., 3] > 0).all(0)
+                    if res is not None and bool(ok.all()):
+                        local = torch.full((rows, width), float("-inf"), dtype=H.dtype, device=H.device)
+                        local[:, :n_org] = res.logits.to(H.dtype)
+                        if guard is not None and settled:
+                            guard.record(key, True, time.perf_counter() - t0)
+                        st = res.stats
+                        _count(st.certified, True)
+                        if st.fallback:
+                            _count(st.fallback, False, "near tie")
+                        return self._finish_tp(local)
+                    why = why or ("hidden state out of range" if res is None else "near tie across shards")
+            out = self._finish_tp(local_stock())
+            if guard is not None and why == "speed guard":
+                guard.record(key, False, time.perf_counter() - t0)
+            _count(rows, False, why)
+            return out
+
+        def _finish_tp(self, local: torch.Tensor) -> torch.Tensor:
+            """vLLM's own gather of the shards and its cut to the model's vocabulary (its ``_get_logits`` after
+            the head)."""
+            logits = self._gather_logits(local)
+            return logits[..., : self.org_vocab_size] if logits is not None else logits
 
         def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
             got = _RUNNER.get()
@@ -370,6 +479,8 @@ def _layer_class():
                 "sample" if all(p.temperature for p in plans) else "mixed")
             key = (kinds, rows, hidden_states.dtype, torch.get_num_threads())
             guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
+            if getattr(lm_head, "tp_size", 1) > 1:
+                return self._forward_tp(lm_head, hidden_states, embedding_bias, plans, rows, guard, key)
             t0 = time.perf_counter()
             if guard is not None and not guard.certified(key, rows):
                 out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
