@@ -56,7 +56,7 @@ from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "stats", "reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
+__all__ = ["register", "stats", "reset_stats", "worker_stats", "worker_reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
            "RowPlan", "certify_batch", "shard_summary", "combine_shards", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
@@ -77,6 +77,17 @@ def stats() -> dict:
     with _LOCK:
         return {"rows": _STATS["rows"], "certified": _STATS["certified"], "sampled": _STATS["sampled"],
                 "full": _STATS["full"], "declined": dict(_STATS["declined"])}
+
+
+def worker_stats(_worker: Any = None) -> dict:
+    """:func:`stats` of the worker process it runs in: ``LLM.collective_rpc(worker_stats)`` returns one dict per
+    rank (with tensor parallelism the head runs in vLLM's worker processes, not in the caller's)."""
+    return stats()
+
+
+def worker_reset_stats(_worker: Any = None) -> None:
+    """:func:`reset_stats` in each worker process (``LLM.collective_rpc(worker_reset_stats)``)."""
+    reset_stats()
 
 
 def guard_summary() -> dict:

@@ -133,11 +133,25 @@ def law_report(args, p: dict, s: dict) -> dict:
             "passed": passed}
 
 
+class _WorkerStats:
+    """The plugin's counts of rank 0's worker process (tensor parallelism: the head runs in vLLM's workers)."""
+
+    def __init__(self, llm, plugin):
+        self.llm, self.plugin = llm, plugin
+
+    def reset_stats(self) -> None:
+        self.llm.collective_rpc(self.plugin.worker_reset_stats)
+
+    def stats(self) -> dict:
+        return self.llm.collective_rpc(self.plugin.worker_stats)[0]
+
+
 def worker(args) -> dict:
     from vllm import LLM, SamplingParams
 
+    kw = dict(tensor_parallel_size=args.tp, distributed_executor_backend="mp") if args.tp > 1 else {}
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0, max_model_len=1024,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, **kw)
     if args.law:
         return law_worker(args, llm)
     prompts = load_prompts(args.prompts_file, args.prompts)
@@ -160,12 +174,12 @@ def worker(args) -> dict:
     from vllm.model_executor.custom_op import op_registry_oot
 
     # whether vLLM loaded the plugin in this process (VLLM_PLUGINS=hf_csv) or not (=none)
-    out: dict = {"tokens": {}, "seconds": {}, "layer": str(op_registry_oot.get("LogitsProcessor"))}
+    out: dict = {"tokens": {}, "seconds": {}, "layer": str(op_registry_oot.get("LogitsProcessor")), "tp": args.tp}
     stats = None
     if args.plugin:
         from hf_csv import vllm_plugin
 
-        stats = vllm_plugin
+        stats = vllm_plugin if args.tp == 1 else _WorkerStats(llm, vllm_plugin)
     for name, params in sets.items():
         if stats is not None:
             stats.reset_stats()
@@ -191,6 +205,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (vLLM's mp executor)")
     ap.add_argument("--law", type=int, default=0, metavar="N", help="the law test with N draws per prompt and setting")
     ap.add_argument("--law-prompts", type=int, default=2, help="prompts in the law test")
     ap.add_argument("--alpha", type=float, default=1e-3, help="the law test's significance level")

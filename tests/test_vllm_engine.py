@@ -46,6 +46,48 @@ def test_plugin_tokens_equal_stock_vllm(model, dtype, prompts, tmp_path):
     assert c["certified"] == 0 and set(c["declined"]) <= {"logprobs", "prompt logprobs", "penalties"}, c
 
 
+def _tiny_tp_model(out: Path) -> Path:
+    """A random 2-layer Llama with 4 attention heads (tensor parallel over 2 ranks) and SmolLM2's tokenizer; its
+    vocabulary (49,200) is not a multiple of vLLM's padding (64), so the last shard holds padding rows. The head is
+    scaled up so that rows have clear winners, as a trained head's do."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = MODELS / "smollm2-135m"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_tensor_parallel_greedy_rows_are_certified_and_identical(tmp_path):
+    """Two CPU ranks (vLLM's mp executor): each certifies its vocabulary shard, the shards' summaries are combined
+    within their slack (hf_csv.vllm_plugin.combine_shards); token ids equal stock vLLM's with the same ranks."""
+    if not (MODELS / "smollm2-135m" / "config.json").exists():
+        pytest.skip("smollm2-135m missing (its tokenizer): python ../shared/models/prepare.py ci")
+    path = _tiny_tp_model(tmp_path / "tiny-tp")
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_exactness.py"), "--model", str(path), "--tp", "2",
+                    "--prompts", "4", "--max-tokens", "8", "--json", str(out)], check=False, cwd=ROOT,
+                   env={**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=900)
+    r = json.loads(out.read_text())
+    assert all(r["identical"].values()), r["differing_prompts"]
+    g = r["plugin_rows"]["greedy"]
+    assert g["certified"] > 0 and g["rows"] == g["certified"] + g["full"], g
+    assert r["plugin_rows"]["mixed"]["declined"] == {"sampling rows under tensor parallelism":
+                                                     r["plugin_rows"]["mixed"]["rows"]}
+
+
 def test_unseeded_sampling_rows_follow_vllms_law(tmp_path):
     """400 first tokens per setting (temperature 1; temperature 0.7 with top-k 5), drawn by the plugin, against
     stock vLLM's law of that token (chi-square, level 1e-3; stock's own draws are tested too)."""
