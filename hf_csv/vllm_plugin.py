@@ -481,11 +481,15 @@ def _layer_class():
                     reason, plans = row_plans(sm, rows, self.org_vocab_size)
             if reason is None and rows > _max_rows():
                 reason = "batch above HF_CSV_VLLM_MAX_ROWS"
-            if reason is not None:
-                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+
+            def vllms_head(why: str) -> torch.Tensor:  # the whole batch on vLLM's own head, the reason counted
+                out = LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
                 if rows > 0 and got is not None:
-                    _count(rows, False, reason)
+                    _count(rows, False, why)
                 return out
+
+            if reason is not None:
+                return vllms_head(reason)
             kinds = "greedy" if all(p.temperature == 0 for p in plans) else (
                 "sample" if all(p.temperature for p in plans) else "mixed")
             key = (kinds, rows, hidden_states.dtype, torch.get_num_threads())
@@ -494,9 +498,8 @@ def _layer_class():
                 return self._forward_tp(lm_head, hidden_states, embedding_bias, plans, rows, guard, key)
             t0 = time.perf_counter()
             if guard is not None and not guard.certified(key, rows):
-                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+                out = vllms_head("speed guard")
                 guard.record(key, False, time.perf_counter() - t0)
-                _count(rows, False, "speed guard")
                 return out
 
             def stock() -> torch.Tensor:  # vLLM's own head on the whole batch (its rows where S is not enough)
@@ -514,10 +517,9 @@ def _layer_class():
                     settled = head.settled()  # (before the call: the call may finish the one-off work)
                     logits, counts, reason = certify_batch(head, H, plans, stock)
             if logits is None:
-                out = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
-                if guard is not None and reason != "screen still packing" and settled:
+                out = vllms_head(reason)
+                if guard is not None and settled:
                     guard.record(key, True, time.perf_counter() - t0)  # a declined try cost both heads
-                _count(rows, False, reason)
                 return out
             if guard is not None and settled:
                 # rows that needed vLLM's whole-batch head cost the certified side both heads: the guard sees it;

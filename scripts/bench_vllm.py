@@ -26,11 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "models" / "prompts.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_exactness import PROMPTS, load_prompts  # noqa: E402  (the same prompts and loader)
 
 
 def _prompts(n: int) -> list[str]:
-    rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    rows = load_prompts(str(PROMPTS), 0)
     return [rows[i % len(rows)] for i in range(n)]
 
 

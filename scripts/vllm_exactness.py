@@ -39,10 +39,11 @@ def _env(plugin: bool) -> dict:
 
 
 def load_prompts(path: str, n: int) -> list[str]:
+    """The first ``n`` prompts of a JSON-lines file with a "prompt" field (all of them for n = 0)."""
     rows = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
     if n > len(rows):
         raise SystemExit(f"{path} has {len(rows)} prompts, {n} asked for")
-    return rows[:n]
+    return rows[:n] if n else rows
 
 
 LAW_SETTINGS = {"temperature": dict(temperature=1.0), "top_k": dict(temperature=0.7, top_k=5)}

@@ -104,7 +104,11 @@ def test_head_classifier():
     assert head_decline_reason(_layer(head_dtype=torch.float64), head, H, None) == "head dtype"
     assert head_decline_reason(_layer(), head, H, torch.zeros(50)) == "embedding bias"
     tp = SimpleNamespace(tp_size=2, quant_method=UnquantizedEmbeddingMethod(), weight=w)
-    assert head_decline_reason(_layer(), tp, H, None) == "tensor parallel"
+    assert head_decline_reason(_layer(), tp, H, None) == "tensor parallel head layout"
+    tp.shard_indices = SimpleNamespace(num_added_elements=0)  # vocabulary shards of the model's own tokens
+    assert head_decline_reason(_layer(), tp, H, None) is None
+    tp.shard_indices = SimpleNamespace(num_added_elements=8)  # LoRA's added tokens: declined
+    assert head_decline_reason(_layer(), tp, H, None) == "tensor parallel head layout"
     q = SimpleNamespace(tp_size=1, quant_method=object(), weight=w)
     assert head_decline_reason(_layer(), q, H, None) == "quantized head"
     assert head_decline_reason(_layer(), head, H.bfloat16(), None) == "head weight"
