@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-__all__ = ["CSVConfig", "MODES", "PROVIDERS", "DEFAULT_BUDGET"]
+__all__ = ["CSVConfig", "MODES", "PROVIDERS", "DEFAULT_BUDGET", "lowered_k"]
 
 # The fraction of V past which computing a row's candidate set S through a gather of its columns costs more than one
 # dense GEMM of the whole head (measured, docs/benchmarks.md §3): the default ``budget`` of every certified head, and
@@ -26,6 +26,18 @@ PROVIDERS = ("screen", "cluster")
 SPECULATIVE = ("exact", "gumbel", "stock", "sigmoid")
 DRAFT_HEADS = ("subvocab", "full")
 VOCAB_PARALLEL = ("contiguous", "round_robin", "size_balanced")  # = hf_csv.distributed.STRATEGIES
+
+
+# topk certificates before lowering processors (repetition penalty, bad words, ...): the head certifies this many
+# times the warper's k (at least LOWER_K_MIN more), so that the k-th processed score rarely falls to the bound on the
+# uncomputed tokens (docs/benchmarks.md §3: with K = k, 18 verify positions in 11 of 21 assisted target calls of
+# Qwen-1.5B at its defaults re-ran stock's head). The transformers path and the vLLM plugin both use it.
+LOWER_K_FACTOR, LOWER_K_MIN = 2, 8
+
+
+def lowered_k(k: int, vocab_size: int) -> int:
+    """The wider certified set for a top-``k`` decision after lowering processors (a speed choice: any k is sound)."""
+    return min(vocab_size, max(LOWER_K_FACTOR * k, k + LOWER_K_MIN))
 
 
 @dataclass

@@ -127,7 +127,7 @@ class TopK(Plan):
         kw: dict = {"always": self.always} if self.always else {}
         if sess.whisper.record:
             kw["with_upper"] = True
-        if self.k_head > self.k:  # a wider set where it fits the budget, else the warper's k (policy._lowered_k)
+        if self.k_head > self.k:  # a wider set where it fits the budget, else the warper's k (config.lowered_k)
             kw.update(k_min=self.k)
         res = ch.topk(H, max(self.k, self.k_head), out_dtype=sess.out_dtype, **kw)
         out = res.logits

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from .config import lowered_k
 from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
@@ -235,7 +236,7 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         # greedy: argmax of processed scores. The post map and lowering processors need the per-row
         # check (rounding in the post map can tie an uncomputed token with the winner).
         session.plan = TopK(k=1, verify=lower or not post.identity,
-                            k_head=_lowered_k(1, session.head.vocab_size) if lower else 0)
+                            k_head=lowered_k(1, session.head.vocab_size) if lower else 0)
         return session
     if not do_sample and num_beams > 1:
         if cfg.mode != "epsilon":
@@ -361,19 +362,9 @@ def _top_k_plan(session: CSVSession, processors: list, topks: list) -> bool:
         return False
     lowered = any(classify_processor(p) == "lower" for p in processors[:i])
     session.plan = TopK(k=top_k, verify=True, check_after=processors[i],
-                        k_head=_lowered_k(top_k, session.head.vocab_size) if lowered else 0)
+                        k_head=lowered_k(top_k, session.head.vocab_size) if lowered else 0)
     return True
 
-
-# topk mode after lowering processors (repetition penalty, ...): the head certifies this many times the warper's k
-# (at least _LOWER_K_MIN more), so that the k-th processed score rarely falls to the bound on the uncomputed tokens.
-# Measured on Qwen-1.5B at Qwen's defaults (top_k 20, repetition_penalty 1.05, docs/benchmarks.md §3): with K = k,
-# 18 verify positions in 11 of 21 assisted target calls re-ran stock's head; the wider set's extra rows cost little.
-_LOWER_K_FACTOR, _LOWER_K_MIN = 2, 8
-
-
-def _lowered_k(k: int, vocab_size: int) -> int:
-    return min(vocab_size, max(_LOWER_K_FACTOR * k, k + _LOWER_K_MIN))
 
 
 # min-p's kept set is {p_i >= min_p · p_max} = {x_i − max >= ln(min_p)}; below this, min_p would keep
@@ -494,7 +485,7 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
             return session
         thr = getattr(gc, "assistant_confidence_threshold", None)
         session.plan = TopK(k=1, verify=lower or not post.identity,
-                            k_head=_lowered_k(1, session.head.vocab_size) if lower else 0,
+                            k_head=lowered_k(1, session.head.vocab_size) if lower else 0,
                             fill_tail=bool(thr) and not lower and post.identity)
         return session
     if not post.keeps_neg_inf:

@@ -52,6 +52,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .certificate import H_MAX, H_MIN, CertifiedHead, value_interval
+from .config import lowered_k
 from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
@@ -119,9 +120,9 @@ def _count(rows: int, certified: bool, reason: Optional[str] = None, sampled: in
 def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = False,
                          speculative: bool = False, prompt_logprobs: bool = False) -> Optional[str]:
     """Why the batch as a whole needs vLLM's full head (logprobs, or a step between the head and the sampler that
-    changes entries), or None; the rows' own parameters are :func:`row_plans`'. ``sm``: vLLM's
-    ``SamplingMetadata`` of the step; ``rows``: the head's rows, which must be the batch's requests, one each
-    (prompt-logprob and spec-decode calls are not)."""
+    may raise an entry), or None; steps that only lower entries are :func:`lowering_steps`', the rows' own
+    parameters :func:`row_plans`'. ``sm``: vLLM's ``SamplingMetadata`` of the step; ``rows``: the head's rows, which
+    must be the batch's requests, one each (prompt-logprob and spec-decode calls are not)."""
     if speculative or any(getattr(sm, "spec_token_ids", None) or ()):
         return "speculative decoding"
     if prompt_logprobs:
@@ -130,26 +131,38 @@ def batch_decline_reason(sm: Any, rows: int, num_reqs: int, structured: bool = F
         return "rows are not the batch's requests"
     if sm.max_num_logprobs is not None or sm.logprob_token_ids:
         return "logprobs"
-    if not sm.no_penalties:
-        return "penalties"
-    if sm.allowed_token_ids_mask is not None:
-        return "allowed token ids"
-    if sm.bad_words_token_ids:
-        return "bad words"
+    if not sm.no_penalties and (bool((sm.repetition_penalties < 1).any()) or bool((sm.frequency_penalties < 0).any())
+                                or bool((sm.presence_penalties < 0).any())):
+        return "penalties that raise entries"
     for proc in sm.logitsprocs.non_argmax_invariant:
         # vLLM's own builtins (checked by module too: a user class of the same name is not trusted), idle when empty
         builtin = type(proc).__module__ == _BUILTIN_MODULE
         field = _BUILTIN_NON_INVARIANT.get(type(proc).__name__) if builtin else None
         if field is None:
             return f"logits processor {type(proc).__name__}"
-        if getattr(proc, field, None):
-            return "logit bias" if field == "biases" else "min tokens"
+        if field == "biases" and getattr(proc, field, None):
+            return "logit bias"
     holder = getattr(sm, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return "thinking budget"
     if structured:
         return "structured outputs"
     return None
+
+
+def lowering_steps(sm: Any) -> bool:
+    """Whether a step between the head and the sampler changes entries of this batch, every such step only
+    lowering them (after :func:`batch_decline_reason` passed): penalties with repetition >= 1, frequency and presence
+    >= 0 (fp32 x/p or x·p, then minus non-negative terms: each entry's map is non-decreasing and never above the
+    identity), allowed token ids, bad words, and ``min_tokens`` still active (each sets entries to −inf). A greedy
+    row then keeps its certificate if its winner, processed at the bottom of its slack, stays above every other
+    token's processed top and the bound outside S (docs/certificates.md §3.2, §2.0: ``hf_csv.checks``)."""
+    if not sm.no_penalties or sm.allowed_token_ids_mask is not None or sm.bad_words_token_ids:
+        return True
+    for proc in sm.logitsprocs.non_argmax_invariant:
+        if type(proc).__name__ == "MinTokensLogitsProcessor" and getattr(proc, "min_toks", None):
+            return True
+    return False
 
 
 def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
@@ -188,13 +201,17 @@ class RowPlan(NamedTuple):
 GREEDY = RowPlan(0.0)
 
 
-def row_plans(sm: Any, rows: int, vocab_size: int) -> tuple[Optional[str], Optional[list[RowPlan]]]:
+def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False
+              ) -> tuple[Optional[str], Optional[list[RowPlan]]]:
     """Each row's plan, or ``(reason, None)`` when a row needs vLLM's own values (then the whole batch takes its
     head: a GEMM over fewer rows may round differently). Sampling rows must be unseeded (a seeded row's token
     for its seed is a function of vLLM's values bit for bit), without top-p or min-p, and no user logits processor
-    may act on them (vLLM runs argmax-invariant ones on sampling rows)."""
+    may act on them (vLLM runs argmax-invariant ones on sampling rows). ``lowering``: steps of
+    :func:`lowering_steps` act on the batch; only greedy rows are certified through them."""
     if sm.all_greedy:
         return None, [GREEDY] * rows
+    if lowering:
+        return "penalties or masks with sampling rows", None
     temps = sm.temperature.tolist()
     top_k = sm.top_k.tolist() if sm.top_k is not None else None
     top_p = sm.top_p.tolist() if sm.top_p is not None else None
@@ -222,12 +239,32 @@ def row_plans(sm: Any, rows: int, vocab_size: int) -> tuple[Optional[str], Optio
     return None, plans
 
 
+def _processed_unsure(res: Any, idx: torch.Tensor, N: int, d: torch.dtype,
+                      process: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """bool [len(idx)]: greedy rows of ``res`` (batch rows ``idx``) whose processed winner is not proven stock's."""
+    from .checks import set_unsure, topk_unsure
+
+    V = res.logits.shape[1]
+
+    def full(x: torch.Tensor) -> torch.Tensor:  # the batch's rows (the steps index rows by batch position)
+        out = torch.full((N, V), float("-inf"), dtype=torch.float32, device=x.device)
+        out[idx] = x.float()
+        return process(out)[idx]
+
+    scores = full(res.logits)
+    lo, hi = value_interval(res.acc_dense(), res.slack, d)
+    ob = res.bound.float()  # lowering steps keep every uncomputed token at or below the bound
+    return topk_unsure(scores, ob, 1) | set_unsure(scores, full(lo), full(hi), 1, ob, res.slack)
+
+
 class _Subset(Exception):
     """The core asked for stock's rows of a row subset (cannot happen after the range check): decline."""
 
 
 def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan],
-                  stock: Callable[[], torch.Tensor]) -> tuple[Optional[torch.Tensor], dict, Optional[str]]:
+                  stock: Callable[[], torch.Tensor],
+                  process: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  ) -> tuple[Optional[torch.Tensor], dict, Optional[str]]:
     """Logits [N, V] in ``H``'s dtype to hand to vLLM's sampler in place of its head's, or ``(None, counts,
     reason)`` when the batch must take vLLM's head (a hidden state out of the certificate's range).
 
@@ -236,6 +273,12 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
     the whole batch (called at most once, only when some row needs stock's whole row: those rows are then vLLM's
     values, and a draw that needs them uses them with the same noise, docs/certificates.md §2.3). ``counts``:
     ``certified`` rows decided from S, ``sampled`` (of those, sampling rows), ``stock_rows`` and their ``reasons``.
+
+    ``process``: the batch's steps between the head and the sampler, every one lowering entries only
+    (:func:`lowering_steps`; greedy rows only): fp32 [N, V] -> fp32 [N, V], vLLM's own code. A greedy row keeps its
+    certificate when, processed, its winner stays above every other token within the values' slack and above the
+    bound outside S (``hf_csv.checks.topk_unsure`` / ``set_unsure``, docs/certificates.md §3.2); otherwise it is
+    vLLM's own row, which vLLM then processes as it would have.
     """
     N, V = H.shape[0], head.vocab_size
     counts: dict[str, Any] = {"certified": 0, "sampled": 0, "stock_rows": 0, "reasons": Counter()}
@@ -261,17 +304,31 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
         for plan, rows in groups.items():
             idx = torch.tensor(rows, dtype=torch.long, device=H.device)
             Hg = H if len(rows) == N else H[idx]
+            moved = 0  # rows the processed check hands to vLLM's own head
             if plan.temperature == 0.0:
-                res = head.topk(Hg, k=1, out_dtype=H.dtype, stock=rows_of(idx))
+                # after lowering steps: a wider set (stock's top-k_head, or its top-1 where that is over the budget),
+                # so that the processed winner is still in S (config.lowered_k; any set is sound)
+                kw = dict(k=lowered_k(1, V), k_min=1) if process is not None else dict(k=1)
+                res = head.topk(Hg, out_dtype=H.dtype, stock=rows_of(idx), **kw)
                 out[idx] = res.logits.to(H.dtype)
+                if process is not None:
+                    unsure = _processed_unsure(res, idx, N, H.dtype, process)
+                    if bool(unsure.any()):
+                        bad = idx[unsure]
+                        if not cache:
+                            cache.append(stock())
+                        out[bad] = cache[0][bad]
+                        moved = int(unsure.sum())
             else:
                 res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
                                   stock=rows_of(idx))
                 out[idx, res.tokens] = 0.0
             st = res.stats
-            counts["certified"] += st.certified
+            counts["certified"] += st.certified - moved
             counts["sampled"] += st.certified if plan.temperature else 0
-            counts["stock_rows"] += st.fallback
+            counts["stock_rows"] += st.fallback + moved
+            if moved:
+                counts["reasons"]["processed near tie"] += moved
             near = min(max(st.near_ties, 0), st.fallback)
             if near:
                 counts["reasons"]["near tie"] += near
@@ -468,7 +525,7 @@ def _layer_class():
                 reason = "hidden states shape"
             else:
                 reason = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
-            plans = None
+            plans = process = None
             if reason is None:
                 runner, sched = got
                 sm = runner.input_batch.sampling_metadata
@@ -478,7 +535,15 @@ def _layer_class():
                     speculative=getattr(runner, "speculative_config", None) is not None,
                     prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
                 if reason is None:
-                    reason, plans = row_plans(sm, rows, self.org_vocab_size)
+                    lowering = lowering_steps(sm)
+                    reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering)
+                    if lowering and reason is None:
+                        if getattr(lm_head, "tp_size", 1) > 1:
+                            reason = "penalties or masks under tensor parallelism"
+                        else:
+                            # vLLM's own steps (its sampler's method), run on hf_csv's value bounds for the check
+                            def process(x: torch.Tensor, sampler=runner.sampler, sm=sm) -> torch.Tensor:
+                                return sampler.apply_logits_processors(x, sm, False)
             if reason is None and rows > _max_rows():
                 reason = "batch above HF_CSV_VLLM_MAX_ROWS"
 
@@ -515,7 +580,7 @@ def _layer_class():
                     reason, logits = "screen still packing", None
                 else:
                     settled = head.settled()  # (before the call: the call may finish the one-off work)
-                    logits, counts, reason = certify_batch(head, H, plans, stock)
+                    logits, counts, reason = certify_batch(head, H, plans, stock, process)
             if logits is None:
                 out = vllms_head(reason)
                 if guard is not None and settled:

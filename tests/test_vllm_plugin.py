@@ -59,14 +59,15 @@ def test_greedy_batch_with_idle_builtin_processors_is_eligible():
 @pytest.mark.parametrize("change, reason", [
     (dict(max_num_logprobs=0), "logprobs"),
     (dict(logprob_token_ids={0: [5]}), "logprobs"),
-    (dict(no_penalties=False), "penalties"),
-    (dict(allowed_token_ids_mask=torch.zeros(2, 10, dtype=torch.bool)), "allowed token ids"),
-    (dict(bad_words_token_ids={0: [[3]]}), "bad words"),
+    (dict(no_penalties=False, repetition_penalties=torch.tensor([1.0, 0.9]), frequency_penalties=torch.zeros(2),
+          presence_penalties=torch.zeros(2)), "penalties that raise entries"),
+    (dict(no_penalties=False, repetition_penalties=torch.ones(2), frequency_penalties=torch.tensor([0.0, -0.5]),
+          presence_penalties=torch.zeros(2)), "penalties that raise entries"),
+    (dict(no_penalties=False, repetition_penalties=torch.ones(2), frequency_penalties=torch.zeros(2),
+          presence_penalties=torch.tensor([-1.0, 0.0])), "penalties that raise entries"),
     (dict(spec_token_ids=[[4], []]), "speculative decoding"),
     (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[LogitBiasLogitsProcessor({0: {3: 1.0}})])),
      "logit bias"),
-    (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[MinTokensLogitsProcessor({0: (4, [], set(), 0)})])),
-     "min tokens"),
     (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[UserProcessor()])), "logits processor UserProcessor"),
     (dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[ImpostorBias()])),
      "logits processor LogitBiasLogitsProcessor"),
@@ -74,6 +75,20 @@ def test_greedy_batch_with_idle_builtin_processors_is_eligible():
 ])
 def test_each_entry_changing_step_declines_the_batch(change, reason):
     assert batch_decline_reason(_sm(**change), rows=2, num_reqs=2) == reason
+
+
+def test_lowering_steps_are_classified():
+    from hf_csv.vllm_plugin import lowering_steps
+
+    assert not lowering_steps(_sm())
+    pen = dict(no_penalties=False, repetition_penalties=torch.tensor([1.3, 1.0]),
+               frequency_penalties=torch.tensor([0.0, 0.5]), presence_penalties=torch.zeros(2))
+    for change in (pen, dict(allowed_token_ids_mask=torch.zeros(2, 10, dtype=torch.bool)),
+                   dict(bad_words_token_ids={0: [[3]]}),
+                   dict(logitsprocs=SimpleNamespace(non_argmax_invariant=[
+                       MinTokensLogitsProcessor({0: (4, [], set(), 0)})]))):
+        assert batch_decline_reason(_sm(**change), rows=2, num_reqs=2) is None
+        assert lowering_steps(_sm(**change))
 
 
 def test_rows_other_than_the_requests_and_structured_outputs_decline():
@@ -144,6 +159,9 @@ def test_row_plans():
     assert row_plans(_rows_sm([0.0, 0.8], top_p=[1.0, 0.9]), 2, V)[0] == "top-p"
     assert row_plans(_rows_sm([0.0, 0.8], argmax_invariant=[MinPLogitsProcessor([0.0, 0.1])]), 2, V)[0] == "min-p"
     assert row_plans(_rows_sm([0.8], argmax_invariant=[UserProcessor()]), 1, V)[0] == "logits processor UserProcessor"
+    # lowering steps (penalties, masks) are certified on greedy rows only
+    assert row_plans(_rows_sm([0.0, 0.8]), 2, V, lowering=True)[0] == "penalties or masks with sampling rows"
+    assert row_plans(_rows_sm([0.0, 0.0]), 2, V, lowering=True) == (None, [GREEDY, GREEDY])
     # a seeded greedy row and min-p on a greedy row change nothing
     assert row_plans(_rows_sm([0.0, 0.8], generators={0: object()},
                               argmax_invariant=[MinPLogitsProcessor([0.2, 0.0])]), 2, V)[0] is None
@@ -200,6 +218,35 @@ def test_stock_rows_are_the_stock_heads_own_values():
     assert reason is None and counts["stock_rows"] == 2 and counts["certified"] == 0
     assert calls == [2] and torch.equal(logits, stock(H))
     assert set(counts["reasons"]) <= {"over budget", "near tie"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_through_lowering_steps_pick_the_processed_stock_argmax(dtype):
+    """vLLM's entry-lowering steps (a repetition penalty on the tokens seen, a bad word set to −inf) run after the
+    head: the certified rows' winner must be the winner of stock's processed row. The penalty here hits each row's
+    own winner and its runner-up (the row is then decided among tokens further down, or by stock's own row)."""
+    g = torch.Generator().manual_seed(12)
+    V, d = 2000, 32
+    W = (torch.randn(V, d, generator=g) * 0.08).to(dtype)
+    head = CertifiedHead(W)
+    H = (torch.randn(16, d, generator=g) * 3).to(dtype)
+    stock, _ = _other_kernel(W)
+    full = stock(H).float()
+    seen = full.topk(2, 1).indices  # "already generated": the penalty lowers them
+    bad = full.topk(3, 1).indices[:, 2]  # a bad word: the third token goes to −inf
+
+    def process(x: torch.Tensor) -> torch.Tensor:  # vLLM's repetition penalty (p = 1.3) and bad words
+        x = x.clone()
+        pen = torch.ones_like(x)
+        pen.scatter_(1, seen, 1.3)
+        x = x * torch.where(x > 0, 1.0 / pen, pen)
+        x[torch.arange(x.shape[0]), bad] = float("-inf")
+        return x
+
+    logits, counts, reason = certify_batch(head, H, [GREEDY] * 16, lambda: stock(H), process)
+    assert reason is None
+    assert torch.equal(process(logits.float()).argmax(1), process(full).argmax(1))
+    assert counts["certified"] + counts["stock_rows"] == 16 and counts["certified"] >= 8, counts
 
 
 def test_out_of_range_hidden_state_is_declined():
