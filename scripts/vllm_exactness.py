@@ -4,6 +4,7 @@ Runs ``LLM.generate`` twice, each in its own subprocess (vLLM's plugins load onc
 ``VLLM_PLUGINS=hf_csv`` and ``VLLM_PLUGINS=none``, with the same model, dtype, prompts and sampling parameters:
 greedy on every prompt; seeded top-k and seeded temperature-only sampling (the same tokens for the same seed:
 the plugin declines seeded rows); a mixed batch of greedy and unseeded sampling rows (its greedy rows compared);
+greedy rows with penalties, bad words and min_tokens (certified through vLLM's own steps);
 controls the plugin declines (logprobs, prompt logprobs, a penalty; their logprobs compared too).
 Prints one JSON object: identical (per parameter set), the plugin's row counts (certified / full and why), times.
 
@@ -166,6 +167,12 @@ def worker(args) -> dict:
         "mixed": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens) if i % 2 == 0 else
                   SamplingParams(temperature=0.9, top_k=40 if i % 4 == 1 else -1, max_tokens=args.max_tokens)
                   for i in range(len(prompts))],
+        # greedy rows through vLLM's entry-lowering steps (certified with the processed check): penalties, a bad
+        # word, min_tokens, one kind per row
+        "penalized": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                     **[dict(repetition_penalty=1.3), dict(frequency_penalty=0.6),
+                                        dict(presence_penalty=0.5), dict(bad_words=[" the", " a"]),
+                                        dict(min_tokens=args.max_tokens // 2)][i % 5]) for i in range(len(prompts))],
         # controls the plugin must decline (vLLM's head, the reason counted): every other row asks for logprobs
         # and prompt logprobs, the rest have a repetition penalty; their logprobs are compared too
         "controls": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=3, prompt_logprobs=2)
