@@ -4,6 +4,9 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
 
 * a **greedy** row (temperature 0) gets exact values on a sub-vocabulary S that provably holds stock's argmax
   (``CertifiedHead.topk(k=1)``) and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token;
+* a greedy row in a batch whose steps between the head and the sampler only lower entries (penalties that lower,
+  allowed token ids, bad words, ``min_tokens``) gets the same, checked after vLLM's own steps run on the bounds of
+  hf_csv's values (:func:`lowering_steps`, ``hf_csv.checks``);
 * an **unseeded sampling** row (temperature > 0, optionally top-k; no top-p, no min-p) gets one exact draw from
   stock's law, softmax(top-k(logits / T)) of vLLM's own logits (``CertifiedHead.sample``, lazy Gumbel-max), handed
   to vLLM's sampler as a row that is 0 at the drawn token and −inf elsewhere, which every sampler step keeps. The
@@ -18,9 +21,11 @@ values themselves or something between the head and the sampler changes entries:
 * a **seeded** sampling row (vLLM's CPU sampler draws its noise from the request's seed over the row's values: the
   same tokens for the same seed need its values bit for bit, which hf_csv's recompute is not), top-p, min-p;
 * logprobs or prompt logprobs, ``logprob_token_ids`` (they read the whole row's normaliser);
-* penalties, ``logit_bias``, ``min_tokens`` still active, bad words, allowed token ids, a user logits processor
-  (not one of vLLM's builtins), a thinking budget, structured outputs;
-* speculative decoding, tensor parallelism (vocabulary shards), a quantized or LoRA head, soft cap, a logit scale
+* steps that may raise an entry (``logit_bias``, a penalty below neutral, a user logits processor), lowering steps
+  beside sampling rows, a thinking budget, structured outputs;
+* under tensor parallelism: sampling rows and lowering steps (greedy rows are certified per vocabulary shard and
+  combined within their slack: :func:`combine_shards`);
+* speculative decoding, a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range);
 * batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
