@@ -33,11 +33,14 @@ from .index import VocabIndex
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "StockFn", "value_interval"]
+__all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "StockFn", "SubsetFn", "value_interval"]
 
 # another engine's own head: hidden states [N, d] in the weight dtype -> its logits [N, V] in that dtype, for every
 # row of the call (its GEMM over fewer rows may round differently, so the core never asks for a subset)
 StockFn = Callable[[torch.Tensor], torch.Tensor]
+# that engine's kernel on a subset of the head's rows: (hidden states [N, d] in the weight dtype, sorted token ids
+# [m]) -> [N, m] in the weight dtype
+SubsetFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # The range of ||h||_∞ a certified row needs (rows outside it, NaN and inf rows too, get the full head): within it
 # no step of the screen underflows (its activation step m/127 stays a normal float32) or overflows, and stock's
@@ -264,7 +267,8 @@ class CertifiedHead:
 
     def _values(self, r: torch.Tensor, t: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor,
                 value_dtype: torch.dtype, sorted_one_row: bool = False,
-                with_slack: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                with_slack: bool = False, subset: Optional[SubsetFn] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
         all rows and the union of the candidate columns; otherwise the exact fp32 recompute, rounded to
         ``value_dtype``.
@@ -273,7 +277,8 @@ class CertifiedHead:
         call: MKL's AVX-512 path does). With ``with_slack`` returns ``(vals, acc, slack)``: ``acc`` our fp32
         accumulator of each value (``vals`` is it rounded to ``value_dtype``) and ``slack`` s >= |acc − stock's fp32
         accumulator|, docs/certificates.md §2.0: each is within γ_{d+2}(Σ_j |W_ij h_j| + |b_i|) + (d+2)·2⁻¹⁴⁹ of the
-        real logit, whatever its summation order."""
+        real logit, whatever its summation order. ``subset``: the caller's own kernel on the rows ``cols`` of the
+        head (another engine's), used instead of ``F.linear`` (its values carry the same slack)."""
         if t.numel() == 0:
             e = torch.empty(0, dtype=torch.float32, device=Hf.device)
             return (e, e, e) if with_slack else e
@@ -282,8 +287,13 @@ class CertifiedHead:
             cols, inv = (t, None) if sorted_one_row else torch.unique(t, return_inverse=True)
             b = None if self.bias_native is None else self.bias_native[cols]
             Wc = self.weight[cols]
-            with caller_threads():  # stock's op as the caller runs it
-                out = F.linear(Hn, Wc, b)
+            if subset is not None:
+                if b is not None:
+                    raise ValueError("a caller's subset kernel is for heads without a bias")
+                out = subset(Hn, cols)
+            else:
+                with caller_threads():  # stock's op as the caller runs it
+                    out = F.linear(Hn, Wc, b)
             pick = (lambda x: x.view(-1)) if inv is None else (lambda x: x[r, inv])
             vals = pick(out).float()
             if not with_slack:
@@ -306,7 +316,7 @@ class CertifiedHead:
 
     def _dense(self, S: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, value_dtype: torch.dtype,
                stats: CertStats, U: torch.Tensor, extra: int = 0,
-               stock: Optional[StockFn] = None) -> tuple[torch.Tensor, "_Dense"]:
+               stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None) -> tuple[torch.Tensor, "_Dense"]:
         """Dense [N, V] logits in ``value_dtype``: the stock values on S, -inf outside; rows over the
         budget (plus ``extra`` tokens put in S on every row) get the whole stock row (and S = V). Stats are
         accumulated into ``stats``."""
@@ -325,7 +335,8 @@ class CertifiedHead:
                 r, t = r[keep], t[keep]
         else:
             r, t = (S & ~special[:, None] if bool(special.any()) else S).nonzero(as_tuple=True)
-        vals, acc, ent = self._values(r, t, Hf, Hn, value_dtype, sorted_one_row=N == 1, with_slack=True)
+        vals, acc, ent = self._values(r, t, Hf, Hn, value_dtype, sorted_one_row=N == 1, with_slack=True,
+                                      subset=subset)
         # per row, the largest slack of its gathered values (0 where the row holds none, or stock's own row)
         slack = torch.zeros(N, dtype=torch.float32, device=Hf.device)
         if ent.numel():
@@ -444,7 +455,7 @@ class CertifiedHead:
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
-             stock: Optional[StockFn] = None) -> CertResult:
+             stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -468,6 +479,8 @@ class CertifiedHead:
         call): every row handed back as stock's own row (slack 0: over the budget, dense, a near tie, non-finite)
         is then its row, that engine's values bit for bit; the other rows' values stay within ``slack`` of its
         accumulator (its GEMM must accumulate in fp32 and round once, as the bounds assume). Default: ``F.linear``.
+        ``subset``: that engine's kernel on a subset of the head's rows, for the values on S (equal to its full call
+        bit for bit only where the caller has checked that: no proof gives it, docs/certificates.md §2.0).
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
@@ -478,11 +491,13 @@ class CertifiedHead:
         kw = {"with_upper": True} if with_upper else {}
         if k_min is not None and k_min < k:
             kw["k_min"] = int(k_min)
+        if subset is not None:
+            kw["subset"] = subset
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), stock=stock, **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
               always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
-              stock: Optional[StockFn] = None) -> CertResult:
+              stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
@@ -508,7 +523,7 @@ class CertifiedHead:
                 S = U >= t[:, None]
         if always:
             S[:, self.vocab_size - always:] = True
-        logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always, stock=stock)
+        logits, info = self._dense(S, Hf, Hn, d, stats, U, extra=always, stock=stock, subset=subset)
         bound = bound.masked_fill(info.complete, float("-inf"))
         slack = info.slack
         if k == 1 and bool((slack > 0).any()):

@@ -198,21 +198,27 @@ def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
 
 class RowPlan(NamedTuple):
     """What one row asks of the head: ``temperature`` 0 is greedy (certified argmax); otherwise one draw from
-    softmax(top-k(logits / temperature)) (``top_k`` None: no top-k). ``temperature`` is vLLM's fp32 value."""
+    softmax(top-k(logits / temperature)) (``top_k`` None: no top-k), drawn by hf_csv, or, with ``values``, by vLLM's
+    own sampler from stock's padded row: vLLM's values on a set that holds stock's top-k, −inf elsewhere (a seeded
+    row: the same token for the same seed; top-p and min-p then act on that row as on stock's). ``temperature`` is
+    vLLM's fp32 value."""
     temperature: float
     top_k: Optional[int] = None
+    values: bool = False
 
 
 GREEDY = RowPlan(0.0)
 
 
-def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False
+def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, values_ok: bool = False
               ) -> tuple[Optional[str], Optional[list[RowPlan]]]:
-    """Each row's plan, or ``(reason, None)`` when a row needs vLLM's own values (then the whole batch takes its
-    head: a GEMM over fewer rows may round differently). Sampling rows must be unseeded (a seeded row's token
-    for its seed is a function of vLLM's values bit for bit), without top-p or min-p, and no user logits processor
-    may act on them (vLLM runs argmax-invariant ones on sampling rows). ``lowering``: steps of
-    :func:`lowering_steps` act on the batch; only greedy rows are certified through them."""
+    """Each row's plan, or ``(reason, None)`` when a row needs vLLM's whole row (then the whole batch takes its
+    head: a GEMM over fewer rows may round differently). An unseeded sampling row without top-p or min-p is drawn
+    by hf_csv; a seeded one, or one with top-p or min-p, needs stock's padded row after its top-k, so a top-k
+    (below V) and ``values_ok`` (vLLM's kernel computes a subset of the head's rows bit for bit as its full call:
+    :func:`probe_subset_kernel`); without them the batch declines. No user logits processor may act on sampling
+    rows (vLLM runs argmax-invariant ones on them). ``lowering``: steps of :func:`lowering_steps` act on the batch;
+    only greedy rows are certified through them."""
     if sm.all_greedy:
         return None, [GREEDY] * rows
     if lowering:
@@ -233,15 +239,38 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False
         if t < _SAMPLING_EPS:
             plans.append(GREEDY)
             continue
-        if i in sm.generators:
-            return "seeded sampling rows", None
-        if top_p is not None and top_p[i] < 1.0:
-            return "top-p", None
-        if min_p is not None and min_p[i] > 0:
-            return "min-p", None
         k = int(top_k[i]) if top_k is not None else vocab_size
-        plans.append(RowPlan(t, k if 0 < k < vocab_size else None))
+        k = k if 0 < k < vocab_size else None
+        why = ("seeded sampling rows" if i in sm.generators else "top-p" if top_p is not None and top_p[i] < 1.0
+               else "min-p" if min_p is not None and min_p[i] > 0 else None)
+        if why is None:
+            plans.append(RowPlan(t, k))
+        elif k is None:
+            return f"{why} without top-k", None
+        elif not values_ok:
+            return f"{why}: vLLM's kernel rounds a subset of the head otherwise", None
+        else:
+            plans.append(RowPlan(t, k, True))
     return None, plans
+
+
+def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        full: Callable[[torch.Tensor], torch.Tensor], hidden: int, vocab: int,
+                        dtype: torch.dtype, seed: int = 0) -> bool:
+    """Whether ``kernel(H, cols)`` (the engine's own GEMM on the head's rows ``cols``) equals its full call's
+    columns ``cols`` bit for bit: 1, 3 and 8 rows of a call of 8, subsets of 1 to 1,000 rows (random, a block, the
+    tail). Plans that hand hf_csv's values to vLLM's sampler (``RowPlan.values``) need that property, which no proof
+    gives (a probe is evidence, as ``CertifiedHead.subset_exact`` is for ``F.linear``: docs/certificates.md §2.0)."""
+    g = torch.Generator().manual_seed(seed)
+    H = (torch.randn(8, hidden, generator=g) * 3).to(dtype)
+    ref = full(H)
+    subsets = [torch.randperm(vocab, generator=g)[:m].sort().values for m in (1, 16, 257, min(1000, vocab))]
+    subsets += [torch.arange(min(1000, vocab)), torch.arange(max(0, vocab - 300), vocab)]
+    for cols in subsets:
+        for rows in (slice(0, 1), slice(2, 5), slice(0, 8)):
+            if not torch.equal(kernel(H[rows], cols), ref[rows][:, cols]):
+                return False
+    return True
 
 
 def _processed_unsure(res: Any, idx: torch.Tensor, N: int, d: torch.dtype,
@@ -268,7 +297,8 @@ class _Subset(Exception):
 
 def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan],
                   stock: Callable[[], torch.Tensor],
-                  process: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  process: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                  subset: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
                   ) -> tuple[Optional[torch.Tensor], dict, Optional[str]]:
     """Logits [N, V] in ``H``'s dtype to hand to vLLM's sampler in place of its head's, or ``(None, counts,
     reason)`` when the batch must take vLLM's head (a hidden state out of the certificate's range).
@@ -284,6 +314,11 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
     certificate when, processed, its winner stays above every other token within the values' slack and above the
     bound outside S (``hf_csv.checks.topk_unsure`` / ``set_unsure``, docs/certificates.md §3.2); otherwise it is
     vLLM's own row, which vLLM then processes as it would have.
+
+    ``subset``: vLLM's kernel on a subset of the head's rows (:func:`probe_subset_kernel` passed), for the rows
+    whose plan hands values to vLLM's sampler (``RowPlan.values``): vLLM's values on a set that holds stock's top-k
+    after the temperature division (an uncomputed token must stay strictly below the k-th there, else the row is
+    vLLM's own), −inf elsewhere: after vLLM's top-k, stock's padded row.
     """
     N, V = H.shape[0], head.vocab_size
     counts: dict[str, Any] = {"certified": 0, "sampled": 0, "stock_rows": 0, "reasons": Counter()}
@@ -309,7 +344,7 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
         for plan, rows in groups.items():
             idx = torch.tensor(rows, dtype=torch.long, device=H.device)
             Hg = H if len(rows) == N else H[idx]
-            moved = 0  # rows the processed check hands to vLLM's own head
+            moved, moved_why = 0, ""  # rows a check after the certificate hands to vLLM's own head
             if plan.temperature == 0.0:
                 # after lowering steps: a wider set (stock's top-k_head, or its top-1 where that is over the budget),
                 # so that the processed winner is still in S (config.lowered_k; any set is sound)
@@ -323,17 +358,33 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                         if not cache:
                             cache.append(stock())
                         out[bad] = cache[0][bad]
-                        moved = int(unsure.sum())
+                        moved, moved_why = int(unsure.sum()), "processed near tie"
+            elif plan.values:
+                if subset is None:
+                    raise ValueError("a plan that hands values to vLLM's sampler needs its subset kernel")
+                res = head.topk(Hg, k=plan.top_k, out_dtype=H.dtype, stock=rows_of(idx), subset=subset)
+                out[idx] = res.logits.to(H.dtype)
+                # vLLM's top-k keeps the values >= the k-th after its fp32 division by T: a token outside S (at most
+                # the bound) must stay strictly below it there too, or the row is vLLM's own
+                T = torch.tensor(plan.temperature, dtype=torch.float32)
+                kth = (res.logits.float() / T).topk(plan.top_k, dim=1).values[:, -1]
+                open_ = ~((res.bound.float() / T) < kth) & (res.bound > float("-inf"))
+                if bool(open_.any()):
+                    bad = idx[open_]
+                    if not cache:
+                        cache.append(stock())
+                    out[bad] = cache[0][bad]
+                    moved, moved_why = int(open_.sum()), "top-k boundary"
             else:
                 res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
                                   stock=rows_of(idx))
                 out[idx, res.tokens] = 0.0
             st = res.stats
             counts["certified"] += st.certified - moved
-            counts["sampled"] += st.certified if plan.temperature else 0
+            counts["sampled"] += st.certified if plan.temperature and not plan.values else 0
             counts["stock_rows"] += st.fallback + moved
             if moved:
-                counts["reasons"]["processed near tie"] += moved
+                counts["reasons"][moved_why] += moved
             near = min(max(st.near_ties, 0), st.fallback)
             if near:
                 counts["reasons"]["near tie"] += near
@@ -424,6 +475,7 @@ def _layer_class():
             self._hf_csv_head: Optional[CertifiedHead] = None
             self._hf_csv_key: Optional[tuple] = None
             self._hf_csv_guard = SpeedGuard()
+            self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
             _LAYERS.add(self)
 
         def _certified_head(self, lm_head) -> CertifiedHead:
@@ -436,6 +488,32 @@ def _layer_class():
                 self._hf_csv_head = build_head(w.detach()[:n], art or None)
                 self._hf_csv_key = key
             return self._hf_csv_head
+
+        def _subset_kernel(self, lm_head) -> tuple[Callable, bool]:
+            """vLLM's own GEMM dispatch on a subset of this head's rows, and whether it computes them bit for bit as
+            its full call (:func:`probe_subset_kernel`, once per weights)."""
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            w = lm_head.weight
+            n = self._hf_csv_rows(lm_head)
+            key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
+            if self._hf_csv_subset is None or self._hf_csv_subset[0] != key:
+                W = w.detach()[:n]
+
+                def kernel(Hn: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+                    part = torch.nn.Module()
+                    part.weight = torch.nn.Parameter(W[cols].contiguous(), requires_grad=False)
+                    dispatch_cpu_unquantized_gemm(part, remove_weight=False)
+                    return part.cpu_linear(Hn, part.weight, None)
+
+                with torch.inference_mode(False), torch.no_grad():
+                    ok = probe_subset_kernel(kernel, lambda H: self._apply_head(lm_head, H, None)[:, :n],
+                                             W.shape[1], n, W.dtype)
+                if not ok:
+                    logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
+                                   "than its full call: seeded sampling, top-p and min-p rows take vLLM's head")
+                self._hf_csv_subset = (key, kernel, ok)
+            return self._hf_csv_subset[1], self._hf_csv_subset[2]
 
         def _hf_csv_rows(self, lm_head) -> int:
             """Rows of this rank's head weight that hold the model's own tokens (its shard's, under TP)."""
@@ -530,7 +608,7 @@ def _layer_class():
                 reason = "hidden states shape"
             else:
                 reason = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
-            plans = process = None
+            plans = process = subset = None
             if reason is None:
                 runner, sched = got
                 sm = runner.input_batch.sampling_metadata
@@ -541,7 +619,11 @@ def _layer_class():
                     prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
                 if reason is None:
                     lowering = lowering_steps(sm)
-                    reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering)
+                    reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=True)
+                    if reason is None and any(p.values for p in plans):
+                        subset, ok = self._subset_kernel(lm_head)
+                        if not ok:
+                            reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=False)
                     if lowering and reason is None:
                         if getattr(lm_head, "tp_size", 1) > 1:
                             reason = "penalties or masks under tensor parallelism"
@@ -585,7 +667,7 @@ def _layer_class():
                     reason, logits = "screen still packing", None
                 else:
                     settled = head.settled()  # (before the call: the call may finish the one-off work)
-                    logits, counts, reason = certify_batch(head, H, plans, stock, process)
+                    logits, counts, reason = certify_batch(head, H, plans, stock, process, subset)
             if logits is None:
                 out = vllms_head(reason)
                 if guard is not None and settled:

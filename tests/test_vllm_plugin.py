@@ -154,10 +154,16 @@ def test_row_plans():
                                        argmax_invariant=[MinPLogitsProcessor([0.0, 0.0, 0.0])]), 3, V)
     t08 = float(torch.tensor(0.8, dtype=torch.float32))  # vLLM's fp32 temperature, as its sampler divides by it
     assert reason is None and plans == [GREEDY, RowPlan(t08, 20), RowPlan(1.0, None)]
-    # rows that need vLLM's values (or a step hf_csv does not draw through) decline the batch
-    assert row_plans(_rows_sm([0.0, 0.8], generators={1: object()}), 2, V)[0] == "seeded sampling rows"
-    assert row_plans(_rows_sm([0.0, 0.8], top_p=[1.0, 0.9]), 2, V)[0] == "top-p"
-    assert row_plans(_rows_sm([0.0, 0.8], argmax_invariant=[MinPLogitsProcessor([0.0, 0.1])]), 2, V)[0] == "min-p"
+    # seeded rows, top-p and min-p need stock's padded row: a top-k, and vLLM's subset kernel probed bit-exact
+    seeded = _rows_sm([0.0, 0.8], top_k=[V, 20], generators={1: object()})
+    assert row_plans(seeded, 2, V, values_ok=True) == (None, [GREEDY, RowPlan(t08, 20, True)])
+    assert row_plans(seeded, 2, V)[0] == "seeded sampling rows: vLLM's kernel rounds a subset of the head otherwise"
+    assert row_plans(_rows_sm([0.0, 0.8], generators={1: object()}), 2, V, values_ok=True)[0] == \
+        "seeded sampling rows without top-k"
+    assert row_plans(_rows_sm([0.0, 0.8], top_p=[1.0, 0.9]), 2, V, values_ok=True)[0] == "top-p without top-k"
+    assert row_plans(_rows_sm([0.8], top_k=[5], top_p=[0.9]), 1, V, values_ok=True) == (None, [RowPlan(t08, 5, True)])
+    assert row_plans(_rows_sm([0.0, 0.8], argmax_invariant=[MinPLogitsProcessor([0.0, 0.1])]), 2, V,
+                     values_ok=True)[0] == "min-p without top-k"
     assert row_plans(_rows_sm([0.8], argmax_invariant=[UserProcessor()]), 1, V)[0] == "logits processor UserProcessor"
     # lowering steps (penalties, masks) are certified on greedy rows only
     assert row_plans(_rows_sm([0.0, 0.8]), 2, V, lowering=True)[0] == "penalties or masks with sampling rows"
@@ -247,6 +253,34 @@ def test_greedy_rows_through_lowering_steps_pick_the_processed_stock_argmax(dtyp
     assert reason is None
     assert torch.equal(process(logits.float()).argmax(1), process(full).argmax(1))
     assert counts["certified"] + counts["stock_rows"] == 16 and counts["certified"] >= 8, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_rows_are_stocks_padded_row_after_top_k(dtype):
+    """A seeded top-k row (``RowPlan.values``): with the engine's own kernel on the row subset (here the fp64-rounded
+    stock kernel, bit-exact on any subset by construction), the row after vLLM's temperature and top-k equals stock's
+    padded row bit for bit, so vLLM's sampler draws the same token for the same seed; duplicated rows make ties at
+    the k-th value."""
+    g = torch.Generator().manual_seed(21)
+    V, d = 3000, 48
+    W = (torch.randn(V, d, generator=g) * 0.05).to(dtype)
+    W[100:104] = W[200]  # ties that straddle a row's k-th value
+    head = CertifiedHead(W)
+    H = (torch.randn(12, d, generator=g) * 3).to(dtype)
+    H[0] = W[200].float().to(dtype) * 30
+    stock, _ = _other_kernel(W)
+    subset = lambda Hn, cols: stock(Hn)[:, cols]  # noqa: E731  (per element the same as the full call)
+    for T, k in ((0.7, 5), (1.0, 3), (1.3, 50)):
+        plan = RowPlan(float(torch.tensor(T, dtype=torch.float32)), k, True)
+        logits, counts, reason = certify_batch(head, H, [plan] * 12, lambda: stock(H), subset=subset)
+        assert reason is None and counts["sampled"] == 0
+
+        def padded(x):  # vLLM: fp32, divide by T, keep >= the k-th
+            y = x.float() / torch.tensor(plan.temperature, dtype=torch.float32)
+            kth = y.topk(k, 1).values[:, -1:]
+            return y.masked_fill(y < kth, float("-inf"))
+        assert torch.equal(padded(logits), padded(stock(H)))
+        assert counts["certified"] >= 6, counts
 
 
 def test_out_of_range_hidden_state_is_declined():
