@@ -2,8 +2,8 @@
 
 Runs ``LLM.generate`` twice, each in its own subprocess (vLLM's plugins load once per process):
 ``VLLM_PLUGINS=hf_csv`` and ``VLLM_PLUGINS=none``, with the same model, dtype, prompts and sampling parameters:
-greedy on every prompt; seeded top-k and seeded temperature-only sampling (the same tokens for the same seed:
-the plugin declines seeded rows); a mixed batch of greedy and unseeded sampling rows (its greedy rows compared);
+greedy on every prompt; seeded top-k sampling, alone and followed by top-p or min-p (the same tokens for the same
+seed: the plugin hands vLLM's sampler stock's padded row), and seeded temperature-only sampling (declined); a mixed batch of greedy and unseeded sampling rows (its greedy rows compared);
 greedy rows with penalties, bad words and min_tokens (certified through vLLM's own steps);
 controls the plugin declines (logprobs, prompt logprobs, a penalty; their logprobs compared too).
 Prints one JSON object: identical (per parameter set), the plugin's row counts (certified / full and why), times.
@@ -163,6 +163,10 @@ def worker(args) -> dict:
                   for i in range(len(prompts))],
         "temperature": [SamplingParams(temperature=1.0, seed=77 + i, max_tokens=args.max_tokens)
                         for i in range(len(prompts))],
+        # seeded top-k followed by top-p (even rows) or min-p (odd rows): stock's padded row after the top-k
+        "top_k_p": [SamplingParams(temperature=0.9, top_k=40, seed=555 + i, max_tokens=args.max_tokens,
+                                   **(dict(top_p=0.9) if i % 2 == 0 else dict(min_p=0.05)))
+                    for i in range(len(prompts))],
         # greedy rows (even) beside unseeded sampling rows the plugin draws itself: the greedy rows are compared
         "mixed": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens) if i % 2 == 0 else
                   SamplingParams(temperature=0.9, top_k=40 if i % 4 == 1 else -1, max_tokens=args.max_tokens)
