@@ -54,7 +54,7 @@ def law_worker(args, llm) -> dict:
     """N unseeded first tokens per (prompt, setting); stock's side also returns the raw top-20 logprobs."""
     from vllm import SamplingParams
 
-    prompts = load_prompts(args.prompts_file, args.law_prompts)
+    prompts = args.law_text or load_prompts(args.prompts_file, args.law_prompts)
     out: dict = {"counts": {}, "logprobs": {}, "plugin": {}}
     stats = None
     if args.plugin:
@@ -220,6 +220,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (vLLM's mp executor)")
     ap.add_argument("--law", type=int, default=0, metavar="N", help="the law test with N draws per prompt and setting")
     ap.add_argument("--law-prompts", type=int, default=2, help="prompts in the law test")
+    ap.add_argument("--law-text", action="append", help="a prompt for the law test instead (repeatable): pick ones "
+                    "whose next token is uncertain, so that the test has many bins")
     ap.add_argument("--alpha", type=float, default=1e-3, help="the law test's significance level")
     ap.add_argument("--worker", choices=["plugin", "stock"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
