@@ -205,6 +205,9 @@ def worker(args) -> dict:
                                   if step] for r in res]
         if stats is not None:
             out.setdefault("plugin", {})[name] = stats.stats()
+    if args.with_law:  # the law test on the same engine (one load fewer)
+        args.law = args.with_law
+        out["law"] = law_worker(args, llm)
     return out
 
 
@@ -219,6 +222,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (vLLM's mp executor)")
     ap.add_argument("--law", type=int, default=0, metavar="N", help="the law test with N draws per prompt and setting")
+    ap.add_argument("--with-law", type=int, default=0, metavar="N", help="the exactness sets, then the law test with "
+                    "N draws on the same engines")
     ap.add_argument("--law-prompts", type=int, default=2, help="prompts in the law test")
     ap.add_argument("--law-text", action="append", help="a prompt for the law test instead (repeatable): pick ones "
                     "whose next token is uncertain, so that the test has many bins")
@@ -261,11 +266,15 @@ def main() -> None:
         "layer": {"plugin": p["layer"], "stock": s["layer"]},
         "seconds": {"plugin": p["seconds"], "stock": s["seconds"]},
     }
+    if args.with_law:
+        args.law = args.with_law
+        result["law"] = law_report(args, p["law"], s["law"])
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
-    if not all(result["identical"].values()) or not result["logprobs_identical"]:
+    if not all(result["identical"].values()) or not result["logprobs_identical"] or \
+            not result.get("law", {"passed": True})["passed"]:
         sys.exit(1)
 
 
