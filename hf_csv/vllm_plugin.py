@@ -11,15 +11,20 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
   stock's law, softmax(top-k(logits / T)) of vLLM's own logits (``CertifiedHead.sample``, lazy Gumbel-max), handed
   to vLLM's sampler as a row that is 0 at the drawn token and −inf elsewhere, which every sampler step keeps. The
   law is stock's; the token for a given random state is not (vLLM draws its own noise), which is all an unseeded
-  request asks for.
+  request asks for;
+* a **seeded** sampling row with a top-k (below V), or any sampling row with top-p / min-p after a top-k, gets
+  stock's padded row: vLLM's values on a set S that holds stock's top-k (``CertifiedHead.topk(k)``), −inf elsewhere,
+  so vLLM's own sampler draws the token it draws for that seed. The values on S come from vLLM's own GEMM on the
+  gathered rows, which equals its full call bit for bit only by measurement (:func:`probe_subset_kernel`, run once
+  per head; where it fails these rows are declined): this plan rests on that probe, not on a proof.
 
 Wherever the certificate needs stock's whole row (a near tie within the recomputed values' slack, a sub-vocabulary
 over the budget), it is vLLM's own head, called once on the whole batch, so those rows are vLLM's values bit for
 bit. A batch takes vLLM's own head for every row, the reason counted in :func:`stats`, when any row needs vLLM's
 values themselves or something between the head and the sampler changes entries:
 
-* a **seeded** sampling row (vLLM's CPU sampler draws its noise from the request's seed over the row's values: the
-  same tokens for the same seed need its values bit for bit, which hf_csv's recompute is not), top-p, min-p;
+* a seeded sampling row without a top-k (vLLM's CPU sampler draws each token's noise from the seed over every
+  value: the same token needs all V values bit for bit), top-p or min-p without a top-k;
 * logprobs or prompt logprobs, ``logprob_token_ids`` (they read the whole row's normaliser);
 * steps that may raise an entry (``logit_bias``, a penalty below neutral, a user logits processor), lowering steps
   beside sampling rows, a thinking budget, structured outputs;
