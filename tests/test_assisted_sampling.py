@@ -361,11 +361,11 @@ def test_assisted_top_k_sampling_is_stock_token_for_token(wide_pair, kw):
 def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, monkeypatch):
     """A repetition penalty before the top-k warper lowers tokens of the certified top-K, and the k-th processed
     score can then fall to the bound on the uncomputed tokens: the row re-runs stock's head. The head therefore
-    certifies a wider set (hf_csv.policy._lowered_k), and a call's re-runs share one stock GEMM (assisted decoding
+    certifies a wider set (hf_csv.config.lowered_k), and a call's re-runs share one stock GEMM (assisted decoding
     checks up to P positions of one head call). Tokens are stock's either way (the draft's list holds the target's
     warpers and its own: the check follows the first top-k warper, so the draft is token-identical too)."""
     import hf_csv.certificate as C
-    import hf_csv.policy as POL
+    import hf_csv.config as POL  # (lowered_k's constants)
     target, draft = wide_pair
     calls = {"n": 0}
     stock = C.CertifiedHead.stock
@@ -378,8 +378,8 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
     gen = dict(top_k=4, temperature=0.7, repetition_penalty=3.0, do_sample=True, max_new_tokens=40, pad_token_id=0)
 
     def run(factor, minimum):
-        monkeypatch.setattr(POL, "_LOWER_K_FACTOR", factor)
-        monkeypatch.setattr(POL, "_LOWER_K_MIN", minimum)
+        monkeypatch.setattr(POL, "LOWER_K_FACTOR", factor)
+        monkeypatch.setattr(POL, "LOWER_K_MIN", minimum)
         reruns, heads, equal = 0, 0, True
         calls["n"] = 0
         for seed in range(4):
@@ -396,7 +396,7 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
             heads += st["head_calls"] + st["draft"]["head_calls"]
         return reruns, calls["n"], heads, equal
 
-    default = POL._LOWER_K_FACTOR, POL._LOWER_K_MIN
+    default = POL.LOWER_K_FACTOR, POL.LOWER_K_MIN
     with _constant_draft_length(draft, 6):
         narrow, narrow_gemms, heads, equal = run(1, 0)  # K = k: the set before the fix
         assert equal

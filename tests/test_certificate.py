@@ -125,7 +125,7 @@ def test_default_budget_certifies_rows_up_to_an_eighth_of_v():
 
 def test_wider_k_falls_back_to_k_min_per_row_not_to_the_full_head():
     """``topk(k, k_min=...)``: a row whose set for k would exceed the budget gets the set for k_min (stock's top-k_min
-    exactly, certified) instead of the full row; other rows keep stock's top-k (policy._lowered_k: a wider set after
+    exactly, certified) instead of the full row; other rows keep stock's top-k (config.lowered_k: a wider set after
     a repetition penalty must never cost a row its certificate)."""
     g = torch.Generator().manual_seed(1)
     V, d, k, k_min, m = 4000, 32, 10, 5, 600  # m > budget V/8 = 500 near-equal rows just below the top 5
