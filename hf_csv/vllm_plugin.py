@@ -345,6 +345,15 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
         return fn
 
     out = torch.full((N, V), float("-inf"), dtype=H.dtype, device=H.device)
+
+    def to_vllm(idx: torch.Tensor, rows: torch.Tensor) -> int:  # these rows (bool over idx): vLLM's own rows
+        if not bool(rows.any()):
+            return 0
+        if not cache:
+            cache.append(stock())
+        out[idx[rows]] = cache[0][idx[rows]]
+        return int(rows.sum())
+
     groups: dict[RowPlan, list[int]] = {}
     for i, plan in enumerate(plans):
         groups.setdefault(plan, []).append(i)
@@ -360,13 +369,8 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                 res = head.topk(Hg, out_dtype=H.dtype, stock=rows_of(idx), **kw)
                 out[idx] = res.logits.to(H.dtype)
                 if process is not None:
-                    unsure = _processed_unsure(res, idx, N, H.dtype, process)
-                    if bool(unsure.any()):
-                        bad = idx[unsure]
-                        if not cache:
-                            cache.append(stock())
-                        out[bad] = cache[0][bad]
-                        moved, moved_why = int(unsure.sum()), "processed near tie"
+                    moved, moved_why = to_vllm(idx, _processed_unsure(res, idx, N, H.dtype, process)), \
+                        "processed near tie"
             elif plan.values:
                 if subset is None:
                     raise ValueError("a plan that hands values to vLLM's sampler needs its subset kernel")
@@ -377,12 +381,7 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                 T = torch.tensor(plan.temperature, dtype=torch.float32)
                 kth = (res.logits.float() / T).topk(plan.top_k, dim=1).values[:, -1]
                 open_ = ~((res.bound.float() / T) < kth) & (res.bound > float("-inf"))
-                if bool(open_.any()):
-                    bad = idx[open_]
-                    if not cache:
-                        cache.append(stock())
-                    out[bad] = cache[0][bad]
-                    moved, moved_why = int(open_.sum()), "top-k boundary"
+                moved, moved_why = to_vllm(idx, open_), "top-k boundary"
             else:
                 res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
                                   stock=rows_of(idx))
