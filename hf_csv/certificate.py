@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
-from hf_csv_kernels.threads import ThreadTuner, caller_threads, rows_bucket
+from hf_csv_kernels.threads import caller_threads, rows_bucket
 from hf_csv_kernels.verify import GUMBEL_SHIFT_FROM, gumbel_noise, gumbel_shift, row_max_finite
 
 from .bounds import BoundProvider, make_provider
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
+from .speed import ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class CertifiedHead:
         index: a :class:`VocabIndex` (or directory) for the cluster provider.
         budget: max |S| before falling back to the full head: an int, or a fraction of V.
         tune_threads: on CPU, time each call on the caller's thread count and on one and keep the faster
-            (:class:`~hf_csv_kernels.threads.ThreadTuner`); False runs on the caller's count (an engine that owns
+            (:class:`~hf_csv.speed.ThreadTuner`); False runs on the caller's count (an engine that owns
             the thread count, as vLLM's CPU worker does).
     """
 

@@ -1,4 +1,12 @@
-"""Never slower than stock: use the full head where it is measured faster than the certified one.
+"""The one speed controller: pick the faster of two ways to run a call, by measurement, per call shape.
+
+:class:`Controller` is the rule (windows of recent times per arm, a margin, probes that re-measure the other arm
+and space out while the choice holds); :class:`SpeedGuard` (certified head or full head) and :class:`ThreadTuner`
+(the certified head on the caller's thread count or on one thread) are its two settings. Both only pick the faster
+of two exact ways: results never depend on the choice. The tuner's choice is made inside the certified call, so
+the guard compares the full head with the certified head at its best thread count.
+
+**SpeedGuard — never slower than stock:** use the full head where it is measured faster than the certified one.
 
 The certified head wins by a wide margin at batch 1 in fp32, but not everywhere: a bf16 head is read at
 half the bytes by stock's GEMV, a small head is dominated by fixed per-call costs, and a busy CPU changes
@@ -34,16 +42,25 @@ the call's stats. Timing an asynchronous device with host clocks would also need
 
 Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests stay certified), and
 ``HF_CSV_SPEED_GUARD=0`` turns the guard off (on CUDA too: the certified head then runs, exact and slower).
+
+**ThreadTuner — the certified head's thread count:** the caller's count or one thread, keyed per head method and
+rows bucket (why: :mod:`hf_csv_kernels.threads`); ``HF_CSV_HEAD_THREADS`` fixes it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
+import time
 from collections import deque
-from typing import Optional
+from typing import Hashable, Iterator, Optional
 
-__all__ = ["SpeedGuard", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason"]
+import torch
+
+from hf_csv_kernels.threads import calls_on
+
+__all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason"]
 
 MIN_WEIGHTS = 1 << 21
 PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
@@ -57,13 +74,140 @@ def cuda_reason(weight) -> Optional[str]:
             "HF_CSV_SPEED_GUARD=0 runs it anyway")
 
 
-class SpeedGuard:
-    def __init__(self, window: int = 6, probe: int = 16, max_probe: int = 128, margin: float = 0.95,
-                 max_clear: int = 512):
+class _Key:
+    """One key's record: the two arms (``a`` wins a draw, ``b`` must beat it by the margin), their windows."""
+
+    __slots__ = ("a", "b", "win", "best", "start", "n", "probe", "wait", "seen")
+
+    def __init__(self, a, b, start, window: int, probe: int, wait: bool):
+        self.a, self.b, self.start, self.best = a, b, start, start
+        self.win = {a: deque(maxlen=window), b: deque(maxlen=window)}
+        self.n, self.probe, self.seen = 0, probe, False
+        # the other arm's first try waits for a probe (a large call's first certified try: SpeedGuard)
+        self.wait = wait
+
+    def other(self, arm):
+        return self.b if arm == self.a else self.a
+
+
+class Controller:
+    """Per key, which of two arms runs a call: ``a`` or ``b``, the faster by the recent ``stat`` (median or mean)
+    of each arm's last ``window`` times; ``b`` is chosen only where it beats ``margin`` times ``a``'s (a draw goes
+    to ``a``). Thread-safe bookkeeping; the caller times the call and reports it to :meth:`record`.
+
+    :meth:`pick`, in order:
+
+    1. a new key starts on ``start`` (the caller's prior), probing every ``probe`` calls, or every ``max_probe`` with
+       ``wait`` (then the other arm's first try waits for that probe);
+    2. warm-up: the chosen arm runs until it has ``warm[role]`` samples, then the other until it has
+       ``probe_calls[role]`` (roles ``"a"``, ``"b"``; ``alternate`` interleaves the two while both are short);
+    3. a probe, every ``probe`` calls: the other arm's window is emptied and it runs (step 2 then runs it
+       ``probe_calls`` times in a row), so a choice made under a passing load or a one-off cost is undone at the
+       next probe instead of after several;
+    4. otherwise the chosen arm.
+
+    :meth:`record` appends the time and, once both windows hold enough (``warm`` for the chosen arm where it was
+    the start, else ``probe_calls``), re-decides: a probe that confirms the choice doubles the interval up to
+    ``max_probe``, a switch resets it to ``probe``; with ``clear``, a loser more than ``clear`` times slower is
+    probed 100·(ratio − 1) calls apart (between ``max_probe`` and ``max_clear``), so that probing costs about 2 %
+    of the time. ``skip_first``: the first sample of the start arm, where it is that arm, is dropped (a first call
+    may include one-off work).
+    """
+
+    def __init__(self, window: int, probe: int, max_probe: int, margin: float, stat: str = "median",
+                 warm: Optional[dict] = None, probe_calls: Optional[dict] = None, alternate: bool = False,
+                 clear: Optional[float] = None, max_clear: int = 512, skip_first: Optional[str] = None):
+        if stat not in ("median", "mean"):
+            raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
         self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
-        self.max_clear = max_clear
+        self._stat = statistics.median if stat == "median" else statistics.fmean
+        self.warm = dict(warm or {"a": 3, "b": 3})
+        self.probe_calls = dict(probe_calls or self.warm)
+        self.alternate, self.clear, self.max_clear, self.skip_first = alternate, clear, max_clear, skip_first
         self._lock = threading.Lock()
         self._state: dict = {}
+
+    def _role(self, st: _Key, arm) -> str:
+        return "a" if arm == st.a else "b"
+
+    def _need(self, st: _Key, arm) -> int:
+        """Samples ``arm`` needs for a decision: its warm-up where it is the chosen arm and the start, else its probe."""
+        role = self._role(st, arm)
+        return self.warm[role] if arm == st.best == st.start else self.probe_calls[role]
+
+    def pick(self, key: Hashable, a, b, start=None, wait: bool = False):
+        """The arm for this call (``a`` or ``b``; ``start`` and ``wait`` apply to a new key only)."""
+        with self._lock:
+            st = self._state.get(key)
+            if st is None:
+                start = a if start is None else start
+                st = self._state[key] = _Key(a, b, start, self.window,
+                                             self.max_probe if wait else self.probe0, wait)
+            st.n += 1
+            best, other = st.best, st.other(st.best)
+            short_best = len(st.win[best]) < self.warm[self._role(st, best)]
+            short_other = len(st.win[other]) < self.probe_calls[self._role(st, other)] and not st.wait
+            if short_best and short_other and self.alternate:
+                # interleaved: both arms see the same passing load; the start arm first on a tie
+                return best if len(st.win[best]) <= len(st.win[other]) else other
+            if short_best:
+                return best
+            if short_other:
+                return other
+            if st.n % st.probe == 0:
+                st.win[other].clear()
+                return other
+            return best
+
+    def record(self, key: Hashable, arm, seconds: float) -> None:
+        with self._lock:
+            st = self._state[key]
+            if arm == st.start == self.skip_first and not st.seen:
+                st.seen = True
+                return
+            if arm != st.best:
+                st.wait = False
+            st.win[arm].append(seconds)
+            if all(len(st.win[x]) >= self._need(st, x) for x in (st.a, st.b)) and st.win[st.a] and st.win[st.b]:
+                ta, tb = self._stat(st.win[st.a]), self._stat(st.win[st.b])
+                best = st.b if tb < self.margin * ta else st.a
+                if best == st.best:
+                    if arm != best:  # a probe confirmed the choice
+                        st.probe = min(self.max_probe, st.probe * 2)
+                else:
+                    st.best, st.probe = best, self.probe0
+                if self.clear is not None:
+                    lose, win = (ta, tb) if best == st.b else (tb, ta)
+                    if lose > self.clear * win:
+                        # a clear loser: a probe costs about its extra time; this interval keeps that near 2 %
+                        st.probe = max(self.max_probe, min(self.max_clear, int(100 * (lose / win - 1))))
+
+    def best(self, key: Hashable):
+        """The current choice for ``key`` (None before any call)."""
+        st = self._state.get(key)
+        return None if st is None else st.best
+
+    def times(self, key: Hashable) -> Optional[dict]:
+        """{arm: statistic of its window} where both arms have samples, else None."""
+        st = self._state.get(key)
+        if st is None or not st.win[st.a] or not st.win[st.b]:
+            return None
+        return {st.a: self._stat(st.win[st.a]), st.b: self._stat(st.win[st.b]), "best": st.best,
+                "ready": all(len(st.win[x]) >= self._need(st, x) for x in (st.a, st.b))}
+
+
+class SpeedGuard:
+    """The certified head or the full head (module docstring): :class:`Controller` with arms ``"c"`` (certified,
+    wins a draw) and ``"f"`` (full, chosen where its median beats 0.95 of the certified one's)."""
+
+    def __init__(self, window: int = 6, probe: int = 16, max_probe: int = 128, margin: float = 0.95,
+                 max_clear: int = 512):
+        # warm-up: 3 certified calls (the first one's sample dropped) and 2 full ones; a probe of a losing
+        # certified head is one call, of the full head two
+        self._ctl = Controller(window, probe, max_probe, margin, stat="median", warm={"a": 3, "b": 2},
+                               probe_calls={"a": 1, "b": 2}, clear=1.5, max_clear=max_clear, skip_first="c")
+        self.window, self.probe0, self.max_probe, self.margin, self.max_clear = window, probe, max_probe, margin, max_clear
+        self._state = self._ctl._state
 
     @staticmethod
     def enabled() -> bool:
@@ -71,71 +215,82 @@ class SpeedGuard:
 
     def certified(self, key, rows: int = 1) -> bool:
         """Whether this call should run the certified head (else the full head); ``rows``: the call's head rows
-        (the prior of a shape not measured yet)."""
-        with self._lock:
-            st = self._state.get(key)
-            if st is None:
-                prior = "f" if rows >= PRIOR_FULL_ROWS else "c"
-                # a large call's first certified try waits max_probe calls: a decode of fewer steps never pays it
-                st = self._state[key] = {"c": deque(maxlen=self.window), "f": deque(maxlen=self.window),
-                                         "best": prior, "prior": prior, "n": 0, "seen": 0,
-                                         "probe": self.probe0 if prior == "c" else self.max_probe}
-            st["n"] += 1
-            if st["prior"] == "f":
-                if len(st["f"]) < 2:
-                    return False
-                if not st["c"] and st["best"] == "f":  # one certified try a probe apart
-                    return st["n"] % st["probe"] == 0
-            if len(st["c"]) < 3 and st["best"] == "c":  # (warm-up; a probe of a losing certified head is one call)
-                return True
-            if len(st["f"]) < 2:
-                return False
-            if st["n"] % st["probe"] == 0:
-                # A probe measures the other side afresh: its old samples may date from a passing load, the
-                # screen's background pack or a run of flat rows, and one new sample a probe apart would take
-                # several probes (up to max_probe calls each) to outvote them. Emptying its window makes the
-                # warm-up branches above run it again (3 certified or 2 full calls in a row).
-                other = "f" if st["best"] == "c" else "c"
-                st[other].clear()
-                return other == "c"
-            return st["best"] == "c"
+        (the prior of a shape not measured yet: ``PRIOR_FULL_ROWS`` and more start on the full head and try the
+        certified one a ``max_probe`` apart)."""
+        full = rows >= PRIOR_FULL_ROWS
+        return self._ctl.pick(key, "c", "f", start="f" if full else "c", wait=full) == "c"
 
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled
         decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.policy)."""
-        with self._lock:
+        with self._ctl._lock:
+            t = self._ctl.times(key)
             st = self._state.get(key)
-            return st is not None and st["best"] == "f" and len(st["c"]) >= 3 and len(st["f"]) >= 2
+            return t is not None and t["best"] == "f" and len(st.win["c"]) >= 3 and len(st.win["f"]) >= 2
 
     def record(self, key, certified: bool, seconds: float) -> None:
-        with self._lock:
-            st = self._state[key]
-            if certified and st["seen"] == 0 and st["prior"] == "c":  # the first certified call may include one-off work
-                st["seen"] = 1
-                return
-            st["c" if certified else "f"].append(seconds)
-            if len(st["c"]) >= (1 if "f" in (st["prior"], st["best"]) else 3) and len(st["f"]) >= 2:
-                # medians: one slow sample (a first call's one-off work, a GC pause) must not decide for 128+ calls
-                # (whisper-tiny.en: certified steps of 8-10 ms and one of 54 ms made a mean twice the full head's)
-                c, f = statistics.median(st["c"]), statistics.median(st["f"])
-                best = "f" if f < self.margin * c else "c"
-                if best == st["best"]:
-                    if ("c" if certified else "f") != best:  # a probe confirmed the choice
-                        st["probe"] = min(self.max_probe, st["probe"] * 2)
-                else:
-                    st["best"], st["probe"] = best, self.probe0
-                if best == "f" and c > 1.5 * f:
-                    # a clear loss: a probe (one certified call after the warm-up) costs c − f; the same ~2 % rule
-                    st["probe"] = max(self.max_probe, min(self.max_clear, int(100 * (c / f - 1))))
-                if best == "c" and f > 1.5 * c:
-                    # a clear win: a probe (two full calls) costs 2(f − c); this interval keeps that near 2 % of the
-                    # certified time (measured: Gemma-3's probes every 128 calls cost 0.75 ms a call, 6 %). A slower
-                    # certified head needs no probe to be seen: its own samples flip the choice at once
-                    st["probe"] = max(self.max_probe, min(self.max_clear, int(100 * (f / c - 1))))
+        self._ctl.record(key, "c" if certified else "f", seconds)
 
     def summary(self, key) -> Optional[dict]:
-        st = self._state.get(key)
-        if st is None or not st["c"] or not st["f"]:
+        t = self._ctl.times(key)
+        if t is None:
             return None
-        return {"choice": "certified" if st["best"] == "c" else "full", "certified_ms": 1e3 * statistics.median(st["c"]),
-                "full_ms": 1e3 * statistics.median(st["f"])}
+        return {"choice": "certified" if t["best"] == "c" else "full", "certified_ms": 1e3 * t["c"],
+                "full_ms": 1e3 * t["f"]}
+
+
+class ThreadTuner:
+    """The certified head's intra-op thread count on CPU (hf_csv_kernels/threads.py says why): per key, the
+    caller's count ``T`` or one thread, whichever the recent *mean* says is faster (the mean, not the median:
+    under load the many-thread runs are fast most of the time and stall now and then, and the stalls are what
+    users wait for). :class:`Controller` with arms 1 (wins a draw) and ``T`` (kept where it beats 0.9 of one
+    thread's mean), both warmed up three calls each, interleaved; a probe is three calls in a row.
+
+    This only changes speed, never results: the bounds are rigorous for any summation order, and the callers
+    run the exact recompute on the caller's thread count (:func:`hf_csv_kernels.threads.caller_threads`).
+    ``HF_CSV_HEAD_THREADS``: ``auto`` (default), or a fixed count (``1``, ``2`` …) to disable tuning."""
+
+    def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):
+        self._ctl = Controller(window, probe, max_probe, margin, stat="mean", warm={"a": 3, "b": 3},
+                               alternate=True)
+        self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
+
+    @staticmethod
+    def _fixed() -> Optional[int]:
+        v = os.environ.get("HF_CSV_HEAD_THREADS", "auto").strip().lower()
+        if v in ("", "auto"):
+            return None
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"HF_CSV_HEAD_THREADS must be 'auto' or a positive integer, got {v!r}") from None
+        if n < 1:
+            raise ValueError(f"HF_CSV_HEAD_THREADS must be 'auto' or a positive integer, got {v!r}")
+        return n
+
+    def _pick(self, key, T: int) -> int:
+        return self._ctl.pick(key, 1, T, start=T)
+
+    def _record(self, key, n: int, T: int, dt: float) -> None:
+        self._ctl.record(key, n, dt)
+
+    def choice(self, key, threads: Optional[int] = None) -> Optional[int]:
+        """The current choice for ``key`` at the caller's thread count ``threads`` (None before any call)."""
+        return self._ctl.best(key if threads is None else (key, threads))
+
+    @contextlib.contextmanager
+    def __call__(self, key) -> Iterator[int]:
+        """Run the block on the chosen thread count; yields it."""
+        T = torch.get_num_threads()
+        fixed = self._fixed()
+        tuned = fixed is None and T > 1
+        if tuned:
+            key = (key, T)  # the caller's count is part of the key: it may change between calls
+            n = self._pick(key, T)
+        else:
+            n = fixed if fixed is not None else T
+        t0 = time.perf_counter()
+        with calls_on(n, T):
+            yield n
+        if tuned:
+            self._record(key, n, T, time.perf_counter() - t0)

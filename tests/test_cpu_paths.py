@@ -10,7 +10,8 @@ from hf_csv_kernels import native
 from hf_csv.certificate import CertifiedHead
 from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
 from hf_csv_kernels.quantize import rows_from_codes
-from hf_csv_kernels.threads import ThreadTuner, caller_threads
+from hf_csv.speed import ThreadTuner
+from hf_csv_kernels.threads import caller_threads
 
 
 def _tiny_llama():
@@ -342,6 +343,22 @@ def test_tuner_follows_a_changed_caller_thread_count(monkeypatch):
             assert tu.choice("k", T) in (1, T)
     finally:
         torch.set_num_threads(before)
+
+
+def test_one_controller_serves_the_guard_and_the_tuner():
+    """Issue 38 property 6: the guard and the thread choice are two settings of one controller. Its statistic is
+    the setting's: the tuner's mean sees a stall that the guard's median ignores."""
+    from hf_csv.speed import Controller, SpeedGuard
+
+    assert isinstance(SpeedGuard()._ctl, Controller) and isinstance(ThreadTuner()._ctl, Controller)
+    with pytest.raises(ValueError, match="median"):
+        Controller(4, 4, 8, 0.9, stat="mode")
+    for stat, want in (("median", "b"), ("mean", "a")):
+        ctl = Controller(window=5, probe=4, max_probe=8, margin=0.95, stat=stat, warm={"a": 5, "b": 5})
+        for i in range(40):  # b: 1 ms with one 50 ms stall in each window; a: 3 ms
+            arm = ctl.pick("k", "a", "b")
+            ctl.record("k", arm, 0.003 if arm == "a" else (0.050 if i % 5 == 0 else 0.001))
+        assert ctl.best("k") == want, stat
 
 
 def test_speed_guard_unit():

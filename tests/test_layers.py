@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["hf_csv", "hf_csv.errors", "hf_csv.index", "hf_csv.hub", "hf_csv.artifact", "hf_csv.bounds",
         "hf_csv.certificate", "hf_csv.checks", "hf_csv.static", "hf_csv.posthead", "hf_csv.distributed",
-        "hf_csv.config", "hf_csv.plan", "hf_csv.step"]
+        "hf_csv.config", "hf_csv.plan", "hf_csv.step", "hf_csv.speed"]
 KERNELS = sorted(f"hf_csv_kernels.{p.stem}" for p in (ROOT / "hf_csv_kernels").glob("*.py") if p.stem != "__init__")
 
 
