@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
-from hf_csv_kernels.threads import caller_threads, rows_bucket
 from hf_csv_kernels.verify import GUMBEL_SHIFT_FROM, gumbel_noise, gumbel_shift, row_max_finite
 
 from .bounds import BoundProvider, make_provider
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
-from .speed import ThreadTuner
+from .speed import ThreadTuner, caller_threads, rows_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +386,7 @@ class CertifiedHead:
 
     def _run_nonfinite(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
         """Rows with NaN/inf hidden states go to the full head (as stock would), counted. On CPU the
-        call runs on the thread count the tuner finds faster (hf_csv_kernels.threads)."""
+        call runs on the thread count the tuner finds faster (hf_csv.speed.ThreadTuner)."""
         if self._tuner is None:
             return self._run_rows(H, fn, *args, **kwargs)
         with self._tuner((fn.__name__, rows_bucket(H.shape[0] if H.dim() == 2 else 0))):

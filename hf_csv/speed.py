@@ -44,7 +44,16 @@ Only heads of at least ``MIN_WEIGHTS`` weights are guarded (tiny heads in tests 
 ``HF_CSV_SPEED_GUARD=0`` turns the guard off (on CUDA too: the certified head then runs, exact and slower).
 
 **ThreadTuner — the certified head's thread count:** the caller's count or one thread, keyed per head method and
-rows bucket (why: :mod:`hf_csv_kernels.threads`); ``HF_CSV_HEAD_THREADS`` fixes it.
+rows bucket; ``HF_CSV_HEAD_THREADS`` fixes it. Why: a certified head call is one int8 GEMV plus a handful of
+V-wide passes, each a fork/join of torch's OpenMP pool. When another process holds a core, every join can wait for
+a scheduler time slice, and the many short parallel regions cost more than the work (docs/benchmarks.md §9.1).
+Stock's single large GEMV barely notices. So the head times itself on the caller's thread count and on one thread
+and keeps the faster, re-probing the other now and then, because load comes and goes.
+
+This only changes speed, never results: the bounds are rigorous for any summation order, and the
+callers run the exact recompute on the caller's thread count (:func:`caller_threads`).
+``torch.set_num_threads`` sets the calling thread's OpenMP count (and MKL's, process-wide) for the
+duration of the call; concurrent calls in other threads may run their BLAS on one thread meanwhile.
 """
 from __future__ import annotations
 
@@ -58,12 +67,59 @@ from typing import Hashable, Iterator, Optional
 
 import torch
 
-from hf_csv_kernels.threads import calls_on
-
-__all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason"]
+__all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason",
+           "caller_threads", "intra_op_threads", "rows_bucket"]
 
 MIN_WEIGHTS = 1 << 21
 PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
+
+
+_CALLER = threading.local()  # the thread count the caller had before a tuned block
+
+
+def rows_bucket(n: int) -> int:
+    """Rows of a head call, bucketed for timing keys: 1 (decode), up to 8, up to 64, more."""
+    return 1 if n <= 1 else 8 if n <= 8 else 64 if n <= 64 else 65
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads (the calling thread's count; restored on exit)."""
+    prev = torch.get_num_threads()
+    if n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+@contextlib.contextmanager
+def caller_threads() -> Iterator[None]:
+    """Inside a tuned block: run this part on the caller's own thread count (e.g. the exact recompute,
+    whose kernel should match stock's head op)."""
+    n = getattr(_CALLER, "n", None)
+    if n is None:
+        yield
+    else:
+        with intra_op_threads(n):
+            yield
+
+
+@contextlib.contextmanager
+def calls_on(n: int, caller: int) -> Iterator[None]:
+    """Run the block on ``n`` intra-op threads for a caller that runs on ``caller`` (what :func:`caller_threads`
+    inside it restores); both restored on exit, also after an exception. The choice of ``n`` is
+    :class:`ThreadTuner`'s."""
+    prev = getattr(_CALLER, "n", None)
+    _CALLER.n = caller
+    try:
+        with intra_op_threads(n):
+            yield
+    finally:
+        _CALLER.n = prev
 
 
 def cuda_reason(weight) -> Optional[str]:
@@ -240,14 +296,14 @@ class SpeedGuard:
 
 
 class ThreadTuner:
-    """The certified head's intra-op thread count on CPU (hf_csv_kernels/threads.py says why): per key, the
+    """The certified head's intra-op thread count on CPU (the module docstring says why): per key, the
     caller's count ``T`` or one thread, whichever the recent *mean* says is faster (the mean, not the median:
     under load the many-thread runs are fast most of the time and stall now and then, and the stalls are what
     users wait for). :class:`Controller` with arms 1 (wins a draw) and ``T`` (kept where it beats 0.9 of one
     thread's mean), both warmed up three calls each, interleaved; a probe is three calls in a row.
 
     This only changes speed, never results: the bounds are rigorous for any summation order, and the callers
-    run the exact recompute on the caller's thread count (:func:`hf_csv_kernels.threads.caller_threads`).
+    run the exact recompute on the caller's thread count (:func:`caller_threads`).
     ``HF_CSV_HEAD_THREADS``: ``auto`` (default), or a fixed count (``1``, ``2`` …) to disable tuning."""
 
     def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):

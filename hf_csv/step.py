@@ -21,10 +21,9 @@ from typing import Any, Optional
 
 import torch
 
-from hf_csv_kernels.threads import rows_bucket
-
 from .errors import CSVError
 from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
+from .speed import rows_bucket
 
 __all__ = ["StepStash", "StepState", "head_step", "check_step", "guard_key", "flush_guard"]
 

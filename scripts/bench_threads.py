@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The certified head on the caller's thread count, on one thread, and tuned (hf_csv_kernels.threads),
+"""The certified head on the caller's thread count, on one thread, and tuned (hf_csv.speed.ThreadTuner),
 against the dense head, interleaved, on real hidden states; quiet or beside ``--load N`` busy processes.
 
     python scripts/bench_threads.py --model ~/.cache/hf-csv-models/qwen-coder-0.5b --threads 2 --load 1

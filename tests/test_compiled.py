@@ -383,7 +383,7 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
     feeding the guard), the reason is logged, and the tokens are stock compiled's."""
     from hf_csv.head import find_head, head_entry
     from hf_csv.speed import SpeedGuard
-    from hf_csv_kernels.threads import rows_bucket
+    from hf_csv.speed import rows_bucket
 
     torch._dynamo.reset()
     m = _tiny("llama", seed=6)

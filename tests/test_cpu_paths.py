@@ -10,8 +10,7 @@ from hf_csv_kernels import native
 from hf_csv.certificate import CertifiedHead
 from hf_csv_kernels import quantize_rows_fp8, quantize_rows_int8
 from hf_csv_kernels.quantize import rows_from_codes
-from hf_csv.speed import ThreadTuner
-from hf_csv_kernels.threads import caller_threads
+from hf_csv.speed import ThreadTuner, caller_threads
 
 
 def _tiny_llama():
