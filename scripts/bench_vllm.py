@@ -101,6 +101,7 @@ def serve(args) -> dict:
     import openai
 
     out = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
+           "warmup": args.warmup, "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0",
            "load_before": os.getloadavg(), "sides": {}}
     prompts = _prompts(args.concurrency * args.requests_per_client)
     for side in ("hf_csv", "none"):
@@ -133,11 +134,11 @@ def serve(args) -> dict:
                                               temperature=0.0, extra_body={"ignore_eos": True})
                 return r.choices[0].text, r.usage.completion_tokens
 
-            # warm-up: one untimed pass of the whole load (the plugin packs its screen in the background at its
-            # first certified call and its speed guard measures each batch shape once; a server is started once
-            # and serves for hours, so its first seconds are not its speed)
-            with ThreadPoolExecutor(args.concurrency) as ex:
-                list(ex.map(one, prompts))
+            # warm-up (--warmup passes of the whole load, untimed): the plugin's speed guard measures each batch shape
+            # once, and its columns are re-chosen from the first rows; --warmup 0 times the server's first pass
+            for _ in range(args.warmup):
+                with ThreadPoolExecutor(args.concurrency) as ex:
+                    list(ex.map(one, prompts))
             rates, texts = [], None
             for _ in range(args.runs):
                 t0 = time.perf_counter()
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="--serve: untimed passes of the whole load before the timed "
+                    "ones (0: the first timed pass is the server's first, cold)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
     ap.add_argument("--top-k", type=int, default=-1, help="with --sample: top-k (-1: none)")

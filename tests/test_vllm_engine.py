@@ -40,6 +40,7 @@ def test_plugin_tokens_equal_stock_vllm(model, dtype, prompts, tmp_path):
     assert "CsvLogitsProcessor" in r["layer"]["plugin"] and r["layer"]["stock"] == "None"
     g = r["plugin_rows"]["greedy"]
     assert g["rows"] == g["certified"] + g["full"] and g["certified"] > 0
+    assert g["prebuilt"] == 1, g  # the screen was built when the runner loaded the model, before the first request
     t = r["plugin_rows"]["temperature"]
     assert t["declined"] == {"seeded sampling rows without top-k": t["rows"]}, t
     for seeded in ("top_k", "top_k_p"):  # stock's padded row: certified where vLLM's subset kernel probed bit-exact

@@ -351,7 +351,8 @@ def test_stats_count_and_reset():
     vllm_plugin._count(3, True)
     vllm_plugin._count(2, False, "logprobs")
     vllm_plugin._count(1, True, sampled=1)
-    assert stats() == {"rows": 6, "certified": 4, "sampled": 1, "full": 2, "declined": {"logprobs": 2}}
+    assert stats() == {"rows": 6, "certified": 4, "sampled": 1, "full": 2, "declined": {"logprobs": 2},
+                       "prebuilt": 0}
     reset_stats()
     assert stats()["rows"] == 0
 
