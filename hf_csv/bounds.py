@@ -132,8 +132,9 @@ class ScreenProvider:
                 self.recalibrated = True
 
             if self.background:
-                # off the decode path (40 ms a build on whisper-tiny.en, inside its first call): the calls meanwhile
-                # use the columns they have, which are as sound (any choice is); not a daemon, like the packing
+                # off the decode path (a V×k gather of W and float64 terms per row, docs/benchmarks.md §9.10): the
+                # calls meanwhile use the columns they have, which are as sound (any choice is); not a daemon, like
+                # the packing
                 self._recal = threading.Thread(target=build, name="hf_csv-recalibrate")
                 self._recal.start()
             else:

@@ -135,10 +135,13 @@ class CertifiedHead:
     the head *as stock computes it*, ``F.linear(h, W, b)`` in the weight dtype, whatever order its
     kernel accumulates in: the bounds carry the worst-case fp32 accumulation error of that GEMM
     (E = γ_{d+2}(max_i ||W_i||_1·||h||_∞ + max|b|)) and, in bf16/fp16, the rounding to that dtype.
-    The logits returned on S are computed with the same op on the same rows (one GEMM over the
-    union of the candidate columns), so they equal stock's where the kernel is invariant to the
-    number of output columns (measured on the CPUs we test; a kernel that is not can only differ
-    at an exact tie, counted in ``near_ties``).
+    The logits returned on S come from the same op on the union of the candidate columns, which a
+    BLAS may round otherwise than its full call (MKL does, per instruction set): they are not assumed
+    to be stock's. Each carries a slack bounding its distance from stock's accumulator, every
+    decision (an argmax, a draw, a processed top-k) is proven within it, and a row the slack leaves
+    open takes stock's whole row (counted in ``near_ties``; docs/certificates.md §2.0). Callers that
+    hand the values themselves to stock's code need them bit for bit: :meth:`subset_exact` (a probe,
+    not a proof) gates those.
 
     Args:
         weight: head weight [V, d] (any float dtype; never copied).

@@ -26,14 +26,13 @@ the model body cost the same on both sides and are not timed.
 
 A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least
 ``PRIOR_FULL_ROWS`` rows start on the full head (there stock's GEMM is compute-bound and efficient, while the
-certified head's per-row work grows with the rows: one sampling call of 100 rows on SmolLM2 spent 0.55 s in the
-certified head against about 0.1 s for the full head), and the certified head is tried once a probe apart; one
+certified head's per-row work grows with the rows: docs/benchmarks.md §9.3), and the certified head is tried once a probe apart; one
 faster certified sample switches it over (the first try comes ``max_probe`` calls in). Smaller calls start certified.
 
 Probes cost what they measure, so they are capped: once the full head is the choice, a probe of the certified side is
 one call (not a warm-up of three), and where the certified head is clearly slower (more than 1.5×) probes come
 100·(certified/full − 1) calls apart, between 128 and 512, as for a clearly slower full head: about 2 % of the time
-the certified head loses on a loaded machine (issue 36: 27.1 ms certified against 12.1 ms full on whisper-tiny.en).
+the certified head loses on a loaded machine (docs/benchmarks.md §9.5).
 
 On CUDA the guard does not measure: the certified head there is launch- and synchronisation-bound (about 200 kernel
 launches and 60 host synchronisations per call) and was slower than stock's cuBLAS head at every shape measured

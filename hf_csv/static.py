@@ -14,8 +14,8 @@ the candidate columns, so they equal stock's where the kernel is invariant to th
 as §2.0 states for the eager head. The screen is the head's own screen provider (:mod:`hf_csv.bounds`, the
 eager certificate's kernels, chosen by device in :mod:`hf_csv_kernels.dispatch`), called through the opaque
 custom op ``hf_csv::screen_bounds`` so that the compiled graph runs it as it is: inductor would run the
-weight-only ``_weight_int8pack_mm`` about twice as slow as stock's fp32 head on this project's CPUs (measured,
-docs/benchmarks.md §9.8). Without a provider (unit tests) the weight-only int8 reference of §1.1 serves.
+weight-only ``_weight_int8pack_mm``, slower than stock's fp32 head on this project's CPUs (docs/benchmarks.md
+§9.8). Without a provider (unit tests) the weight-only int8 reference of §1.1 serves.
 
 This module does not import transformers (core, below the integration in :mod:`hf_csv.scope`).
 """

@@ -83,8 +83,8 @@ _PREBUILT = [0]  # heads whose screens :func:`prebuild` built at model load in t
 _BUILTIN_MODULE = "vllm.v1.sample.logits_processor.builtin"
 _BUILTIN_NON_INVARIANT = {"LogitBiasLogitsProcessor": "biases", "MinTokensLogitsProcessor": "min_toks"}
 _SAMPLING_EPS = 1e-5  # vLLM's: a row with temperature below it is greedy
-# vLLM's oneDNN GEMM rounds a call with one output column otherwise than its full call (measured: every entry of 8
-# rows on SmolLM2's head; 2 to 1,000 columns agree): subset calls are padded to this many rows of the head
+# vLLM's oneDNN GEMM may round a call with one output column otherwise than its full call (docs/vllm.md): subset
+# calls are padded to this many rows of the head (probe_subset_kernel checks the padded calls)
 _MIN_SUBSET = 16
 
 

@@ -2,8 +2,8 @@
 
 Why a kernel of our own next to fbgemm's dynamic linear:
 
-* **No prepack.** fbgemm needs its packed layout, which takes 0.7–0.9 s for Gemma-3's 262,144 × 640 head on
-  two cores (more as one matrix) and cannot be saved. This kernel reads the int8 codes as they are (row-major)
+* **No prepack.** fbgemm needs its packed layout, which takes seconds on a large head (docs/benchmarks.md §7)
+  and cannot be saved. This kernel reads the int8 codes as they are (row-major)
   at once, and a 4-row interleaved copy (one cheap pass, built in the background) a little faster.
 * **8-bit activations.** fbgemm quantizes activations to 7 bits (``reduce_range``); this kernel multiplies
   signed 8-bit activations exactly (the sign trick, see the C source), so the screen's activation term —
@@ -59,7 +59,7 @@ _PATH_FLAGS = {"avx512vnni": (["-DHF_CSV_PATH_AVX512VNNI", "-mavx512f", "-mavx51
 # int32 partial sums stay below 2^31 while 127·127·d does (csrc/screen_avx2.c)
 MAX_D = (2 ** 31 - 1) // (127 * 127)
 
-# below this many multiply-adds a call runs on the calling thread alone (a 4 MB screen streams in well under 1 ms)
+# below this many multiply-adds a call runs on the calling thread alone (waking the pool costs more than the work)
 _SMALL = 1 << 22
 
 _lock = threading.Lock()

@@ -153,8 +153,7 @@ def _run_chunks(V: int, step: int, desc: str, progress: bool, body, device: torc
     take chunks from a shared iterator, each with its own scratch ``slot`` and on one intra-op thread. Per-row
     work, so the result does not depend on which worker ran a chunk. Why not torch's own threads: each chunk is
     a dozen small ops, each a fork/join on several intra-op threads, and with another process on a core each
-    join can wait a scheduler slice (measured: Qwen-0.5B's quantization took 25 s beside a 2-thread test run on
-    this 2-core machine, 0.47 s on one thread); a worker on a busy core here just takes fewer chunks. The first
+    join can wait a scheduler slice (docs/benchmarks.md §9.1); a worker on a busy core here just takes fewer chunks. The first
     exception stops the others and is raised. The caller's thread count is restored after."""
     cpu = device.type == "cpu"
     prev = torch.get_num_threads()

@@ -105,9 +105,8 @@ def fbgemm_available() -> bool:
 
 
 # Rows per fbgemm pack while the head is being readied. fbgemm's prepack time grows faster than
-# linearly with the rows (measured, Gemma-3's 262,144 x 640 head: 2.9 s in one pack, 0.73 s in
-# 65,536-row packs on 2 threads), while a GEMV over several packs costs 6-13 % more than over one.
-# So the first calls use chunks, and one whole pack replaces them in the background.
+# linearly with the rows, while a GEMV over several packs costs a little more than over one
+# (docs/benchmarks.md §7). So the first calls use chunks, and one whole pack replaces them in the background.
 _PACK_ROWS = 65536
 
 
@@ -280,8 +279,8 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     only.
     """
     V = rows.q.shape[0]
-    # a large head in the background: the exact outlier columns (a V×k gather of W and float64 terms, 0.1–0.4 s
-    # on Gemma-3's head) follow in a thread; the first calls use Ŵ's columns (Lemma 1: sound, a little looser)
+    # a large head in the background: the exact outlier columns (a V×k gather of W and float64 terms) follow in a
+    # thread; the first calls use Ŵ's columns (Lemma 1: sound, a little looser)
     exact_later = (background and weight is not None and V > _PACK_ROWS and outlier_cols is not None
                    and outlier_cols.numel() > 0)
     state = ScreenState(rows=rows, outliers=make_outliers(rows, outlier_cols, None if exact_later else weight))

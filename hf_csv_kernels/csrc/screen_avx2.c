@@ -188,8 +188,8 @@ static inline int32_t hsum(__m256i v) {
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), ones))
 #endif
 
-/* Software prefetch distance (bytes) of the interleaved loop: the hardware prefetcher alone left one core at 10-11 GB/s
-   of codes on a Sapphire-Rapids-class Xeon, below MKL's dense GEMV; 2048 measured best there and neutral on an AMD EPYC
+/* Software prefetch distance (bytes) of the interleaved loop: on some hosts the hardware prefetcher alone leaves one core
+   streaming the codes below MKL's dense GEMV; the distance is the one measured best there and neutral elsewhere
    (docs/benchmarks.md §9.11). 0 turns it off. */
 #ifndef HF_CSV_PREFETCH
 #define HF_CSV_PREFETCH 2048
