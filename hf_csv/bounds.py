@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 import torch
 
 from hf_csv_kernels import Int8Rows, get_op, quantize_rows_fp8, quantize_rows_int8, unit_roundoff
-from hf_csv_kernels.screen import make_outliers, prepare_screen
+from hf_csv_kernels.screen import finish_now, make_outliers, prepare_screen
 
 from .index import VocabIndex
 
@@ -88,15 +88,16 @@ class ScreenProvider:
             if self._recalibrate:
                 self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=weight.device)
 
-    def _prepare(self, cols: Optional[torch.Tensor]) -> None:
-        self.state = prepare_screen(self.rows, cols, background=self.background, weight=self._weight)
+    def _prepare(self, cols: Optional[torch.Tensor], eager: bool = False) -> None:
+        self.state = prepare_screen(self.rows, cols, background=self.background, weight=self._weight, eager=eager)
 
     def _choose(self, amax: torch.Tensor) -> torch.Tensor:
         return amax.topk(self.num_outliers).indices.sort().values
 
-    def warm(self, H: torch.Tensor) -> None:
+    def warm(self, H: torch.Tensor, eager: bool = False) -> None:
         """Calibrate on ``H`` if this is the first call (starts the packing). Rows are counted towards the
-        re-choice of the columns by :meth:`__call__` only (a caller may warm and then call on the same rows)."""
+        re-choice of the columns by :meth:`__call__` only (a caller may warm and then call on the same rows).
+        ``eager``: :meth:`prepare_now`."""
         if self.state is None:
             with self._calibrating:
                 if self.state is None:
@@ -104,7 +105,14 @@ class ScreenProvider:
                     if self._recalibrate:
                         self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=Hr.device)
                         self._seen_rows = 0
-                    self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None)
+                    bg = self.background
+                    self.background = bg and not eager
+                    try:
+                        self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None, eager=eager)
+                    finally:
+                        self.background = bg
+        elif eager:
+            finish_now(self.state)
 
     def _observe(self, H: torch.Tensor) -> None:
         """Until ``recalibrate_rows`` rows have been seen, keep the largest |h_j| per column; then choose the
@@ -139,6 +147,13 @@ class ScreenProvider:
                 self._recal.start()
             else:
                 build()
+
+    def prepare_now(self, H: torch.Tensor) -> None:
+        """Calibrate on ``H`` and build everything the first calls would build in the background (the exact outlier
+        columns, the interleaved codes), now, in the calling thread: an
+        engine's load step, before it serves. The later re-choice of the columns from the first real rows still
+        follows ``background``. Sound for any ``H``: the columns only make the bound tighter or looser."""
+        self.warm(H, eager=True)
 
     def ready(self) -> bool:
         """False while the int8 rows are still being packed in the background (the screen would wait)."""

@@ -231,6 +231,17 @@ class CertifiedHead:
             p.warm(H.reshape(-1, self.hidden_size))
         return bool(p.ready()) if hasattr(p, "ready") else True
 
+    def prepare(self, H: torch.Tensor) -> None:
+        """Do the provider's first-call work now, in the calling thread (calibration and packing; an engine's load
+        step, so that its first requests do not wait or run the full head meanwhile). ``H``: hidden states of this
+        head's width (any values: they only choose the screen's first outlier columns)."""
+        p = self.provider
+        H = H.reshape(-1, self.hidden_size)
+        if hasattr(p, "prepare_now"):
+            p.prepare_now(H)
+        elif hasattr(p, "warm"):
+            p.warm(H)
+
     def settled(self) -> bool:
         """Whether the provider's one-off work of the first calls (packing, the columns' re-choice) is over: a
         caller timing certified calls against the full head (a speed guard) ignores calls before it."""

@@ -436,12 +436,12 @@ def combine_shards(summaries: torch.Tensor) -> torch.Tensor:
     return ok.all(0) & torch.isfinite(lo_star)
 
 
-def build_head(weight: torch.Tensor, artifact: Optional[str] = None, background: bool = True) -> CertifiedHead:
+def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
     """The certified head of ``weight`` [V, d] as vLLM's worker needs it: on the caller's thread count (vLLM's CPU
     worker owns it: its ``torch.set_num_threads`` is a no-op that warns), a large head packed in the background
-    (vLLM's head meanwhile), or at once with ``background=False`` (:func:`prebuild`, at model load). ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
+    (vLLM's head meanwhile) unless :func:`prebuild` packed it at model load. ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
     the quantization; it must have been built for this head (checked: a mismatch raises, as in ``generate``)."""
-    kw: dict = {"background": background}
+    kw: dict = {"background": True}
     if artifact:
         from .artifact import CSVArtifact
 
@@ -523,14 +523,14 @@ def _layer_class():
             self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
             _LAYERS.add(self)
 
-        def _certified_head(self, lm_head, background: bool = True) -> CertifiedHead:
+        def _certified_head(self, lm_head) -> CertifiedHead:
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
             key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
             if self._hf_csv_key != key:  # weights (re)loaded: a new screen
                 # (an artifact is built for the whole head: under tensor parallelism each rank packs its shard)
                 art = os.environ.get("HF_CSV_VLLM_ARTIFACT") if getattr(lm_head, "tp_size", 1) == 1 else None
-                self._hf_csv_head = build_head(w.detach()[:n], art or None, background=background)
+                self._hf_csv_head = build_head(w.detach()[:n], art or None)
                 self._hf_csv_key = key
             return self._hf_csv_head
 
@@ -549,8 +549,8 @@ def _layer_class():
             if head_decline_reason(self, lm_head, H, None) is not None:
                 return False
             with torch.inference_mode(False), torch.no_grad():
-                head = self._certified_head(lm_head, background=False)
-                head.ready(H)  # calibrates on H and packs (not in the background: background=False)
+                # packed now; the columns' re-choice from the first real rows stays off the decode path
+                self._certified_head(lm_head).prepare(H)
             return True
 
         def _subset_kernel(self, lm_head) -> tuple[Callable, bool]:

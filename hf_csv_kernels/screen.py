@@ -58,7 +58,6 @@ class ScreenState:
     # interleaved copy is built in the background, then that copy; None where the kernel is not used
     native: Optional[tuple] = None
     # with the native kernel, fbgemm is packed only once a call of more than one row asks for it
-    _pack_started: bool = False
     _swap: threading.Lock = field(default_factory=threading.Lock)
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
@@ -209,16 +208,10 @@ def _use_native(rows: Int8Rows) -> bool:
 
 
 def _native_layout(state: "ScreenState", n_rows: int) -> Optional[tuple[torch.Tensor, bool]]:
-    """The native kernel's (codes, interleaved) where it serves a call of ``n_rows``, else None: one row always;
-    several until fbgemm's pack exists (its GEMM is faster there), whose packing this starts in the background."""
-    lay = state.native  # read once: the background thread swaps in the interleaved copy
-    if lay is None:
-        return None
-    if n_rows > 1:
-        if state.packed is not None:
-            return None
-        _start_pack(state)
-    return lay
+    """The native kernel's (codes, interleaved) where it serves, for a call of any number of rows (it reads the codes
+    once for all of them, and its 8-bit activations bound tighter than fbgemm's 7-bit ones; it was measured at least
+    as fast as fbgemm's pack up to 8 rows on both hosts of docs/benchmarks.md §9.12), else None."""
+    return state.native  # read once: the background thread swaps in the interleaved copy
 
 
 def _interleave(state: "ScreenState") -> None:
@@ -231,34 +224,17 @@ def _interleave(state: "ScreenState") -> None:
         pass
 
 
-_PACK_LOCK = threading.Lock()
-
-
-def _start_pack(state: "ScreenState") -> None:
-    """With the native kernel: pack fbgemm's layout in the background, once, for calls of several rows."""
-    with _PACK_LOCK:
-        if state._pack_started or not fbgemm_available():
-            return
-        state._pack_started = True
-
-    def run() -> None:
-        if hasattr(os, "setpriority"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except OSError:
-                pass
-        try:
-            state.packed = [(0, _pack(state.rows.q, state.rows.scale))]
-        except Exception:  # the native kernel keeps serving
-            pass
-
-    threading.Thread(target=run, name="hf_csv-screen-pack").start()
-
+def finish_now(state: "ScreenState") -> None:
+    """Build now, in the calling thread, what a native state would otherwise build in the background during its
+    first calls (the interleaved codes); a no-op where they exist."""
+    if state.native is not None and not state.native[1]:
+        _interleave(state)
 
 
 def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, pack_cpu: bool = True,
                    consolidate: bool = True, background: bool = False,
-                   weight: Optional[torch.Tensor] = None, native: Optional[bool] = None) -> ScreenState:
+                   weight: Optional[torch.Tensor] = None, native: Optional[bool] = None,
+                   eager: bool = False) -> ScreenState:
     """Build the per-head screen state; pack the int8 rows for fbgemm when on CPU.
 
     ``weight``: the head weight the rows quantize. With it, the outlier columns are kept *exactly*
@@ -272,11 +248,11 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     too and ``state.ready`` is set when they are in place; :func:`screen_int8_cpu` waits for it, so
     callers that cannot wait check ``state.ready`` first (hf_csv uses the full head meanwhile).
 
-    ``native`` (default: wherever it is available, :mod:`hf_csv_kernels.native`): hf_csv's own AVX2 kernel
-    instead, ready at once (no prepack: it reads ``rows.q`` as it is, then a 4-row interleaved copy built in
-    the background); fbgemm is then packed in the background only once a call of more than one row comes,
-    since fbgemm's GEMM is the faster of the two there (docs/benchmarks.md §7). ``native=False`` keeps fbgemm
-    only.
+    ``native`` (default: wherever it is available, :mod:`hf_csv_kernels.native`): hf_csv's own kernel instead,
+    for calls of any number of rows, ready at once (no prepack: it reads ``rows.q`` as it is, then a 4-row
+    interleaved copy built in the background); fbgemm is not packed then. ``native=False`` keeps fbgemm only.
+    ``eager`` (an engine's load step, before it serves): with the native kernel, the interleaved copy is built
+    now, in the calling thread, rather than in the background during the first calls.
     """
     V = rows.q.shape[0]
     # a large head in the background: the exact outlier columns (a V×k gather of W and float64 terms) follow in a
@@ -294,9 +270,12 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
         threading.Thread(target=exact, name="hf_csv-screen-outliers").start()
     if pack_cpu and native is not False and _use_native(rows):
         # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
-        # background, and fbgemm's pack only when a call of several rows asks for it (see screen_int8_cpu)
+        # background
         state.native = (rows.q, False)
         state.ready.set()
+        if eager:
+            finish_now(state)
+            return state
         # not daemons (here and below): interpreter exit waits for them (a native call cannot be interrupted safely)
         threading.Thread(target=_interleave, args=(state,), name="hf_csv-screen-interleave").start()
         return state
@@ -355,7 +334,7 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     quantized with a step s_X, each coordinate within s_X/2 of its level, so |<Ŵ_i, h_rest − ĥ_rest>| <=
     ||Ŵ_i||_1 · m_r · s_X/2:
 
-    * native kernel (:mod:`hf_csv_kernels.native`, one row, or any rows until fbgemm is packed): hf_csv rounds
+    * native kernel (:mod:`hf_csv_kernels.native`, wherever it serves): hf_csv rounds
       127·X to the nearest integer itself (signed 8 bits; |X| <= 1), s_X = 1/127, within (0.5 + 2·127u) levels;
     * fbgemm: its per-tensor 7-bit quantization of X over the batch, s_X <= 2/127 (the same relative step for
       every row of the batch).
@@ -425,7 +404,7 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
 def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.Tensor] = None
                       ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(est, upper, top) in one pass of hf_csv's native kernel, or None where that kernel does not serve this call
-    (not built, or several rows once fbgemm's pack exists): then :func:`screen_int8_cpu` and the caller's margins.
+    (not built, or not for these rows): then :func:`screen_int8_cpu` and the caller's margins.
 
     The bound is :func:`screen_int8_cpu`'s radius plus the caller's rounding margins (docs/certificates.md §1.1,
     Theorem 1 with Lemma 1′ and 2′): upper_i = est_i + e_i^R‖h_R‖₂(1+4u) + l_i(m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} +

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hf_csv_kernels.screen as scr
 from hf_csv_kernels import native
@@ -240,9 +241,11 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
 
 
 @pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
-def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_several_rows(monkeypatch):
-    """With the native kernel a head is certified from its first step (no prepack to wait for), and fbgemm's
-    pack is built only once a call of several rows comes (then used for such calls, same bound)."""
+def test_native_kernel_certifies_the_first_call_and_serves_calls_of_several_rows(monkeypatch):
+    """With the native kernel a head is certified from its first step (no prepack to wait for), and calls of several
+    rows stay on it: fbgemm's pack is never built (docs/benchmarks.md §9.12: the native kernel is at least as fast
+    up to 8 rows, and its 8-bit activations bound tighter). fbgemm's path, where the native kernel does not serve,
+    is as sound."""
     import hf_csv
 
     packs = []
@@ -262,12 +265,11 @@ def test_native_kernel_certifies_the_first_call_and_packs_fbgemm_only_for_severa
         assert state.native is not None and packs == []
         W = find_head(m)[1].weight
         H = torch.randn(3, W.shape[1]) * 3
-        e0, r0 = scr.screen_int8_cpu(state, H)  # native (the pack is starting) ...
-        for t in threading.enumerate():
-            if t.name == "hf_csv-screen-pack":
-                t.join(30)
-        assert packs == [1] and state.packed is not None
-        e1, r1 = scr.screen_int8_cpu(state, H)  # ... then fbgemm: both sound
+        e0, r0 = scr.screen_int8_cpu(state, H)  # native, three rows
+        assert scr.screen_bounds_cpu(state, H) is not None  # the fused native pass serves several rows too
+        assert packs == [] and state.packed is None
+        fb = scr.prepare_screen(state.rows, state.outlier_cols, native=False)  # fbgemm's path
+        e1, r1 = scr.screen_int8_cpu(fb, H)
         ex = H.double() @ W.double().T
         for e, r in ((e0, r0), (e1, r1)):
             assert ((ex - e.double()).abs() <= r.double()).all()
@@ -554,3 +556,22 @@ def test_native_fused_bounds_round_up_and_match_the_plain_kernel():
                                 real += c[3] * abs(F(bias[i]))
                             # the norm: float64 within 1e-12 of the real one, the kernel's own raised by 1e-10
                             assert F(up[r, i]) >= real, (V, r, i)
+
+
+def test_prepare_packs_now_and_keeps_the_later_work_in_the_background():
+    """CertifiedHead.prepare (an engine's load step: hf_csv.vllm_plugin.prebuild) calibrates and packs in the calling
+    thread, so the first certified call finds the screen ready; the provider's background setting is left as it was
+    (the columns' re-choice from the first real rows stays off the decode path), and results are the same."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(70000, 64, generator=g) * 0.05
+    H = torch.randn(3, 64, generator=g) * 3
+    a, b = CertifiedHead(W, background=True), CertifiedHead(W)
+    a.prepare(torch.randn(1, 64, generator=g))
+    assert a.provider.ready() and a.provider.background
+    st = a.provider.state
+    assert st.outliers.err_rest is not None  # the exact outlier columns (a large head defers them otherwise)
+    if scr._native_layout(st, 1) is not None:  # the native kernel: the interleaved codes already in place
+        assert st.native[1] and st.packed is None
+    ra, rb = a.topk(H), b.topk(H)
+    assert torch.equal(ra.logits.argmax(1), rb.logits.argmax(1))
+    assert torch.equal(ra.logits.argmax(1), F.linear(H, W).argmax(1))
