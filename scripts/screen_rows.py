@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -29,16 +27,14 @@ import hf_csv_kernels.screen as scr  # noqa: E402
 from hf_csv.certificate import CertifiedHead  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import median_ms  # noqa: E402
+
 
 def _median_ms(fn, reps: int) -> float:
-    for _ in range(2):
+    for _ in range(2):  # warm: the first calls of a shape allocate
         fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+    return median_ms(fn, reps)
 
 
 def main() -> None:
