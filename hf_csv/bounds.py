@@ -105,12 +105,7 @@ class ScreenProvider:
                     if self._recalibrate:
                         self._seen = torch.zeros(self.hidden_size, dtype=torch.float32, device=Hr.device)
                         self._seen_rows = 0
-                    bg = self.background
-                    self.background = bg and not eager
-                    try:
-                        self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None, eager=eager)
-                    finally:
-                        self.background = bg
+                    self._prepare(self._choose(Hr.abs().amax(0)) if self.num_outliers else None, eager=eager)
         elif eager:
             finish_now(self.state)
 

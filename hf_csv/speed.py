@@ -178,6 +178,8 @@ class Controller:
         self._stat = statistics.median if stat == "median" else statistics.fmean
         self.warm = dict(warm or {"a": 3, "b": 3})
         self.probe_calls = dict(probe_calls or self.warm)
+        if min(*self.warm.values(), *self.probe_calls.values()) < 1:
+            raise ValueError("warm-up and probe counts must be at least 1 (a decision needs a sample of each arm)")
         self.alternate, self.clear, self.max_clear, self.skip_first = alternate, clear, max_clear, skip_first
         self._lock = threading.Lock()
         self._state: dict = {}
@@ -189,6 +191,10 @@ class Controller:
         """Samples ``arm`` needs for a decision: its warm-up where it is the chosen arm and the start, else its probe."""
         role = self._role(st, arm)
         return self.warm[role] if arm == st.best == st.start else self.probe_calls[role]
+
+    def _ready(self, st: _Key) -> bool:
+        """Whether both arms' windows hold enough samples for a decision (:meth:`_need`)."""
+        return all(len(st.win[x]) >= self._need(st, x) for x in (st.a, st.b))
 
     def pick(self, key: Hashable, a, b, start=None, wait: bool = False):
         """The arm for this call (``a`` or ``b``; ``start`` and ``wait`` apply to a new key only)."""
@@ -223,7 +229,7 @@ class Controller:
             if arm != st.best:
                 st.wait = False
             st.win[arm].append(seconds)
-            if all(len(st.win[x]) >= self._need(st, x) for x in (st.a, st.b)) and st.win[st.a] and st.win[st.b]:
+            if self._ready(st):
                 ta, tb = self._stat(st.win[st.a]), self._stat(st.win[st.b])
                 best = st.b if tb < self.margin * ta else st.a
                 if best == st.best:
@@ -247,8 +253,7 @@ class Controller:
         st = self._state.get(key)
         if st is None or not st.win[st.a] or not st.win[st.b]:
             return None
-        return {st.a: self._stat(st.win[st.a]), st.b: self._stat(st.win[st.b]), "best": st.best,
-                "ready": all(len(st.win[x]) >= self._need(st, x) for x in (st.a, st.b))}
+        return {st.a: self._stat(st.win[st.a]), st.b: self._stat(st.win[st.b]), "best": st.best}
 
 
 class SpeedGuard:
@@ -261,8 +266,11 @@ class SpeedGuard:
         # certified head is one call, of the full head two
         self._ctl = Controller(window, probe, max_probe, margin, stat="median", warm={"a": 3, "b": 2},
                                probe_calls={"a": 1, "b": 2}, clear=1.5, max_clear=max_clear, skip_first="c")
-        self.window, self.probe0, self.max_probe, self.margin, self.max_clear = window, probe, max_probe, margin, max_clear
         self._state = self._ctl._state
+
+    @property
+    def max_probe(self) -> int:
+        return self._ctl.max_probe
 
     @staticmethod
     def enabled() -> bool:
@@ -278,10 +286,12 @@ class SpeedGuard:
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled
         decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.policy)."""
-        with self._ctl._lock:
-            t = self._ctl.times(key)
+        ctl = self._ctl
+        with ctl._lock:
             st = self._state.get(key)
-            return t is not None and t["best"] == "f" and len(st.win["c"]) >= 3 and len(st.win["f"]) >= 2
+            # both arms past their warm-ups (3 certified, 2 full samples), not only probed
+            return (st is not None and st.best == "f" and len(st.win["c"]) >= ctl.warm["a"]
+                    and len(st.win["f"]) >= ctl.warm["b"])
 
     def record(self, key, certified: bool, seconds: float) -> None:
         self._ctl.record(key, "c" if certified else "f", seconds)
@@ -308,7 +318,6 @@ class ThreadTuner:
     def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):
         self._ctl = Controller(window, probe, max_probe, margin, stat="mean", warm={"a": 3, "b": 3},
                                alternate=True)
-        self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
 
     @staticmethod
     def _fixed() -> Optional[int]:

@@ -439,8 +439,9 @@ def combine_shards(summaries: torch.Tensor) -> torch.Tensor:
 def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> CertifiedHead:
     """The certified head of ``weight`` [V, d] as vLLM's worker needs it: on the caller's thread count (vLLM's CPU
     worker owns it: its ``torch.set_num_threads`` is a no-op that warns), a large head packed in the background
-    (vLLM's head meanwhile) unless :func:`prebuild` packed it at model load. ``artifact``: an ``hf-csv build`` directory or Hub repo id whose stored screen skips
-    the quantization; it must have been built for this head (checked: a mismatch raises, as in ``generate``)."""
+    (vLLM's head meanwhile) unless :func:`prebuild` packed it at model load. ``artifact``: an ``hf-csv build``
+    directory or Hub repo id whose stored screen skips the quantization; it must have been built for this head
+    (checked: a mismatch raises, as in ``generate``)."""
     kw: dict = {"background": True}
     if artifact:
         from .artifact import CSVArtifact

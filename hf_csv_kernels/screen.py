@@ -57,7 +57,6 @@ class ScreenState:
     # hf_csv's own AVX2 kernel (hf_csv_kernels.native): (codes, interleaved?) — rows.q itself until the
     # interleaved copy is built in the background, then that copy; None where the kernel is not used
     native: Optional[tuple] = None
-    # with the native kernel, fbgemm is packed only once a call of more than one row asks for it
     _swap: threading.Lock = field(default_factory=threading.Lock)
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
@@ -207,13 +206,6 @@ def _use_native(rows: Int8Rows) -> bool:
     return q.is_contiguous() and _native.min_code(q) >= -127
 
 
-def _native_layout(state: "ScreenState", n_rows: int) -> Optional[tuple[torch.Tensor, bool]]:
-    """The native kernel's (codes, interleaved) where it serves, for a call of any number of rows (it reads the codes
-    once for all of them, and its 8-bit activations bound tighter than fbgemm's 7-bit ones; it was measured at least
-    as fast as fbgemm's pack up to 8 rows on both hosts of docs/benchmarks.md §9.12), else None."""
-    return state.native  # read once: the background thread swaps in the interleaved copy
-
-
 def _interleave(state: "ScreenState") -> None:
     """Background: the 4-row interleaved copy of the codes (a little faster to stream), swapped in whole."""
     try:
@@ -251,10 +243,11 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     ``native`` (default: wherever it is available, :mod:`hf_csv_kernels.native`): hf_csv's own kernel instead,
     for calls of any number of rows, ready at once (no prepack: it reads ``rows.q`` as it is, then a 4-row
     interleaved copy built in the background); fbgemm is not packed then. ``native=False`` keeps fbgemm only.
-    ``eager`` (an engine's load step, before it serves): with the native kernel, the interleaved copy is built
-    now, in the calling thread, rather than in the background during the first calls.
+    ``eager`` (an engine's load step, before it serves): what ``background`` would defer (the exact outlier columns,
+    fbgemm's chunks) and, with the native kernel, the interleaved copy are built now, in the calling thread.
     """
     V = rows.q.shape[0]
+    background = background and not eager  # an engine's load step builds everything now
     # a large head in the background: the exact outlier columns (a V×k gather of W and float64 terms) follow in a
     # thread; the first calls use Ŵ's columns (Lemma 1: sound, a little looser)
     exact_later = (background and weight is not None and V > _PACK_ROWS and outlier_cols is not None
@@ -346,7 +339,9 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     :func:`prepare_screen`) ||W_i − Ŵ_i||_rest·||h_rest|| instead, and the outlier GEMV and the add, now over
     W_J, are covered by an extra (γ_{k+2} + 4u)·||W_i||_1·||h_r||_∞ (docs/certificates.md §1.1, Lemma 1′).
     """
-    lay = _native_layout(state, H.shape[0])
+    # the native kernel wherever it serves, any number of rows: it reads the codes once for all of them, and its
+    # per-row 8-bit activations bound tighter than fbgemm's 7-bit scale over the call (docs/benchmarks.md §9.12)
+    lay = state.native  # read once: the background thread swaps in the interleaved copy
     use_native = lay is not None
     packs = state.packed  # read once: a background thread may swap in one whole pack
     if not use_native:
@@ -413,7 +408,7 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     includes the outlier columns and the bias; ``top`` [N] is the first index of each row's largest ``est``.
     Weight-only bounds hold in real arithmetic for float32 ``H`` rows; the caller handles non-finite rows.
     """
-    lay = _native_layout(state, H.shape[0])
+    lay = state.native  # read once: the background thread swaps in the interleaved copy
     if lay is None:
         return None
     rows = state.rows

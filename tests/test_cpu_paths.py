@@ -570,7 +570,7 @@ def test_prepare_packs_now_and_keeps_the_later_work_in_the_background():
     assert a.provider.ready() and a.provider.background
     st = a.provider.state
     assert st.outliers.err_rest is not None  # the exact outlier columns (a large head defers them otherwise)
-    if scr._native_layout(st, 1) is not None:  # the native kernel: the interleaved codes already in place
+    if st.native is not None:  # the native kernel: the interleaved codes already in place
         assert st.native[1] and st.packed is None
     ra, rb = a.topk(H), b.topk(H)
     assert torch.equal(ra.logits.argmax(1), rb.logits.argmax(1))
