@@ -31,6 +31,21 @@ def cpu_load(n: int) -> Iterator[None]:
             p.wait()
 
 
+def cpu_info() -> dict:
+    """The CPU's model name, core count and the SIMD flags hf_csv's kernels look at, to print beside every figure."""
+    import platform
+
+    from hf_csv_kernels import native
+
+    model = platform.processor()
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                     model)
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "flags": native.simd_flags()}
+
+
 def machine_load() -> dict:
     """The 1-minute load average and core count, to record beside the figures."""
     la = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,20 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _load import cpu_info  # noqa: E402
 
 _CHILD = "--child"
-
-
-def _cpu() -> dict:
-    from hf_csv_kernels import native
-
-    model = platform.processor()
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                     model)
-    except OSError:
-        pass
-    return {"model": model, "cores": os.cpu_count(), "flags": native.simd_flags()}
 
 
 def child(path: str, shapes: list, threads: list, reps: int) -> dict:
@@ -94,7 +84,7 @@ def main() -> None:
         return
     from hf_csv_kernels import native
 
-    rep = {"cpu": _cpu(), "load_average": os.getloadavg(), "paths": []}
+    rep = {"cpu": cpu_info(), "load_average": os.getloadavg(), "paths": []}
     for p in a.paths or native.runnable_paths():
         env = dict(os.environ, HF_CSV_SCREEN_PATH=p)
         r = subprocess.run([sys.executable, __file__, _CHILD, p, "--threads", *map(str, a.threads), "--shapes", *a.shapes,

@@ -28,7 +28,9 @@ from hf_csv.certificate import CertifiedHead  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import cpu_info  # noqa: E402
 from _timing import median_ms  # noqa: E402
+from vllm_exactness import PROMPTS, load_prompts  # noqa: E402  (the prompts and their loader)
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -56,11 +58,10 @@ def main() -> None:
         dt = getattr(torch, a.dtype)
         tok = AutoTokenizer.from_pretrained(a.model)
         m = AutoModelForCausalLM.from_pretrained(a.model, dtype=dt).eval()
-        prompts = [json.loads(ln)["prompt"] for ln in (Path(__file__).resolve().parents[2] / "shared" / "models" /
-                                                        "prompts.jsonl").read_text().splitlines() if ln.strip()]
+        prompts = load_prompts(str(PROMPTS), 16)
         with torch.no_grad():  # every position of the prompts; a call's rows are positions drawn at random, as the
             # rows of a decode batch are requests at different places of different prompts
-            allh = torch.cat([m.model(**tok(p, return_tensors="pt")).last_hidden_state[0] for p in prompts[:16]])
+            allh = torch.cat([m.model(**tok(p, return_tensors="pt")).last_hidden_state[0] for p in prompts])
         H = allh[torch.randperm(allh.shape[0], generator=g)[:max(a.rows)]].contiguous()
         W = m.lm_head.weight.detach()
         a.vocab, a.hidden = W.shape
@@ -78,8 +79,8 @@ def main() -> None:
     for t in threading.enumerate():  # its consolidation into one pack runs in the background: let it finish
         if t.name.startswith("hf_csv-"):
             t.join()
-    flags = native.simd_flags()
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_info()
+    model, flags = cpu["model"], cpu["flags"]
     out = {"cpu": model, "flags": flags, "path": native.path(), "threads": a.threads, "model": a.model,
            "dtype": str(W.dtype), "vocab": a.vocab,
            "hidden": a.hidden, "load_before": os.getloadavg(), "rows": {}}
