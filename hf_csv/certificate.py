@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv_kernels import gamma, get_op
+from hf_csv_kernels.native import top1_constants
 from hf_csv_kernels.verify import GUMBEL_SHIFT_FROM, gumbel_noise, gumbel_shift, row_max_finite
 
 from .bounds import BoundProvider, make_provider
@@ -191,6 +192,10 @@ class CertifiedHead:
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
         self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
+        # the one-row top-1 epilogue (dispatch op "top1", the native kernel) serves float32 CPU heads without a bias
+        self._top1_cst = (top1_constants(self._gam, self._underflow, self._l1_max, self._b_max)
+                          if weight.dtype == torch.float32 and weight.device.type == "cpu" and bias is None
+                          and self.weight.is_contiguous() else None)
 
     # ------------------------------------------------- the value assumption
     def subset_exact(self) -> bool:
@@ -469,7 +474,8 @@ class CertifiedHead:
     @torch.no_grad()
     def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
              always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
-             stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None) -> CertResult:
+             stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None,
+             own_values: bool = False) -> CertResult:
         """Dense logits, exact on a set S that provably holds stock's top-k, ties included.
 
         Proof (docs/certificates.md §2): seeds s_1..s_k (top-k of the estimate) give lo <= stock's
@@ -495,6 +501,12 @@ class CertifiedHead:
         accumulator (its GEMM must accumulate in fp32 and round once, as the bounds assume). Default: ``F.linear``.
         ``subset``: that engine's kernel on a subset of the head's rows, for the values on S (equal to its full call
         bit for bit only where the caller has checked that: no proof gives it, docs/certificates.md §2.0).
+
+        ``own_values``: the caller takes only decisions that it proves within the values' ``slack`` (greedy's argmax,
+        a draft's law) and never hands the values on S to stock's code as stock's. A float32 CPU head without a bias
+        may then compute a one-row top-1 call in hf_csv's native epilogue (:func:`hf_csv_kernels.native.top1`: the
+        same cut, its own dot products for the values, the same slack and argmax check) instead of ``F.linear`` on S
+        (whose values equal stock's bit for bit where :meth:`subset_exact` says so; the native ones need not).
         """
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
@@ -507,16 +519,25 @@ class CertifiedHead:
             kw["k_min"] = int(k_min)
         if subset is not None:
             kw["subset"] = subset
+        if own_values:
+            kw["own_values"] = True
         return self._run_nonfinite(H, self._topk, k=k, out_dtype=out_dtype, always=int(always), stock=stock, **kw)
 
     def _topk(self, Hf: torch.Tensor, Hn: torch.Tensor, k: int, out_dtype: Optional[torch.dtype] = None,
               always: int = 0, with_upper: bool = False, k_min: Optional[int] = None,
-              stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None) -> CertResult:
+              stock: Optional[StockFn] = None, subset: Optional[SubsetFn] = None,
+              own_values: bool = False) -> CertResult:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
         screen = getattr(self.provider, "screen", None)
         est, U, top = screen(Hf) if screen is not None else (*self.provider(Hf), None)
+        if (own_values and N == 1 and k == 1 and top is not None and self._top1_cst is not None and not always
+                and not with_upper and k_min is None and subset is None and d == torch.float32
+                and Hf.device.type == "cpu"):
+            res = self._top1_native(Hf, est, U, top, stats)
+            if res is not None:
+                return res
         if k == 1:  # the seed: est's top (found in the screen's own pass where it can)
             seeds = (top if top is not None else est.argmax(1)).view(N, 1)
         else:
@@ -551,6 +572,29 @@ class CertifiedHead:
         upper = U + E[:, None] if with_upper else None  # |stock − real| <= E
         return CertResult(logits=logits, stats=stats, mask=S, est=est, bound=bound, upper=upper, slack=slack,
                           acc=(info.rows, info.toks, info.acc))
+
+    def _top1_native(self, Hf: torch.Tensor, est: torch.Tensor, U: torch.Tensor, top: torch.Tensor,
+                     stats: CertStats) -> Optional[CertResult]:
+        """:meth:`_topk`'s result for one float32 row and k = 1 from the dispatch op ``top1`` (the native kernel's
+        :func:`hf_csv_kernels.native.top1`: the same seed, lower bound, cut, S, slack and argmax check,
+        docs/certificates.md §2.1, §2.0); None where that call leaves the row to the torch path (more candidates than
+        the budget or the dense cut-off, an argmax the slack leaves open, a value that is not finite, no native
+        kernel)."""
+        op = get_op("top1", Hf.device, optional=True)
+        got = None if op is None else op(self.weight, Hf[0].contiguous(), U[0], int(top[0]), self._abs_l1, self._top1_cst,
+                                         min(self.budget, self._dense_cutoff))
+        if got is None or got[0] < 0:
+            return None
+        n, logits, mask, toks, acc, ent, out = got
+        stats.rows += 1
+        stats.certified += 1
+        stats.subvocab_sum += n
+        stats.subvocab_sizes.append(n)
+        if stats.collect_radius:
+            stats.radius_sum += float(out[3])
+        rows = torch.zeros(n, dtype=torch.long)
+        return CertResult(logits=logits, stats=stats, mask=mask, est=est, bound=out[1:2], slack=out[2:3],
+                          acc=(rows, toks, acc))
 
     def _to_stock(self, rows: torch.Tensor, logits: torch.Tensor, S: torch.Tensor, bound: Optional[torch.Tensor],
                   slack: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor, d: torch.dtype, stats: CertStats,

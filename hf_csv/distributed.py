@@ -208,8 +208,11 @@ class VocabParallelHead:
         return out
 
     @torch.no_grad()
-    def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None) -> CertResult:
-        """Dense logits [N, V], identical on every rank: the exact global top-k values, -inf elsewhere."""
+    def topk(self, H: torch.Tensor, k: int = 1, out_dtype: Optional[torch.dtype] = None,
+             own_values: bool = False) -> CertResult:
+        """Dense logits [N, V], identical on every rank: the exact global top-k values, -inf elsewhere.
+        (``own_values``: accepted as :meth:`hf_csv.certificate.CertifiedHead.topk` takes it; the values here are
+        always the full gather's.)"""
         H = self._check(H)
         if not 1 <= k <= self.vocab_size:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")

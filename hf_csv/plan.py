@@ -112,7 +112,9 @@ class TopK(Plan):
     ``check_after``: the top-k warper the check follows (sampling: every later warper sees stock's vector);
     ``ts_proc``: Whisper's timestamp processor the check runs right before. A draft's tail: ``fill_tail`` (greedy,
     confidence stop) raises the uncomputed tokens to their estimated mass, ``fill_est`` (sampled draft, no top-k)
-    gives them the screen's estimates."""
+    gives them the screen's estimates. ``own_values``: the call proves every decision on the values within their slack
+    and never hands them to stock's code as stock's (hf_csv.policy sets it where no reason to read them exists), so
+    the head may compute them itself (``CertifiedHead.topk(own_values=True)``)."""
 
     name: ClassVar[str] = "topk"
     k: int = 1
@@ -122,9 +124,12 @@ class TopK(Plan):
     ts_proc: Any = None
     fill_tail: bool = False
     fill_est: bool = False
+    own_values: bool = False
 
     def head(self, ch, H, sess, keys=None):
         kw: dict = {"always": self.always} if self.always else {}
+        if self.own_values:
+            kw["own_values"] = True
         if sess.whisper.record:
             kw["with_upper"] = True
         if self.k_head > self.k:  # a wider set where it fits the budget, else the warper's k (config.lowered_k)

@@ -123,6 +123,10 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
         else:
             session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {plan.name!r} "
                              "round: full head")
+    plan = session.plan
+    if isinstance(plan, TopK) and plan.k == 1 and plan.k_head <= 1 and _reads_values(session, generation_config) is None:
+        # every decision on its values is proven within their slack: hf_csv's own values serve (the native epilogue)
+        session.plan = replace(plan, own_values=True)
     return session.plan
 
 

@@ -46,10 +46,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "why_unavailable", "path", "runnable_paths", "simd_flags", "load_path", "PATHS", "screen_i8", "interleave",
-           "min_code", "row_terms", "MAX_D"]
+           "min_code", "row_terms", "top1", "top1_constants", "MAX_D"]
 
 _SRC = Path(__file__).with_name("csrc") / "screen_avx2.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-std=c11"]
+# -ffp-contract=off: no product and sum fuse, so the float steps that mirror torch ops round as those ops do (hf_csv_top1)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=c11"]
 # best first: (extra compiler flags, /proc/cpuinfo flags the path needs)
 PATHS = ("avx512vnni", "avxvnni", "avx2")
 _PATH_FLAGS = {"avx512vnni": (["-DHF_CSV_PATH_AVX512VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
@@ -260,6 +261,8 @@ def _build_with(flags: list, name: str = "avx2") -> ctypes.CDLL:
     lib.hf_csv_openmp.restype = i32
     lib.hf_csv_path.argtypes = []
     lib.hf_csv_path.restype = i32
+    lib.hf_csv_top1.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p]
+    lib.hf_csv_top1.restype = i64
     return lib
 
 
@@ -480,3 +483,41 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     l1 = round_up_f32(l1q.double().mul_(scale.double()).mul_(_RAISE))
     abs_l1 = round_up_f32(absl1.mul_(_RAISE))
     return err_l2, l1, abs_l1
+
+
+# hf_csv_top1's return codes below 0: why the caller's torch path must take the row
+TOP1_WHY = {-1: "more candidates than the limit", -2: "argmax not decided within the slack", -3: "cut not finite",
+            -4: "seed out of range or a value not finite"}
+
+
+def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) -> torch.Tensor:
+    """The float32 constants :func:`top1` takes, each rounded to nearest from the Python float as torch rounds a
+    scalar operand of a float32 op: γ, the underflow term, max ||W_i||_1, max |b|, 1 + 1e-6, the slack coefficient
+    2γ(1 + 2γ)(1 + 1e-6) and twice the underflow term (hf_csv.certificate.CertifiedHead._values)."""
+    return torch.tensor([gam, underflow, l1_max, b_max, 1 + 1e-6, 2 * gam * (1 + 2 * gam) * (1 + 1e-6),
+                         2 * underflow], dtype=torch.float32)
+
+
+def top1(weight: torch.Tensor, h: torch.Tensor, upper: torch.Tensor, seed: int, abs_l1: torch.Tensor,
+         cst: torch.Tensor, limit: int) -> tuple:
+    """The one-row top-1 epilogue of ``hf_csv.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
+    ``hf_csv_top1``): for a float32 head ``weight`` [V, d] (no bias), one float32 row ``h`` [d], the screen's upper
+    bounds ``upper`` [V] and its seed, returns ``(n, logits [1, V], mask [1, V] bool, toks [n], acc [n], ent [n],
+    (t, bound, slack))``, or ``(code, None, ...)`` with a negative code (:data:`TOP1_WHY`) where the torch path must
+    take the row (then also ``(t, bound, slack, radius sum)``). ``cst``: :func:`top1_constants`. The guarantees are the torch path's
+    (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes."""
+    lib = _lib_or_raise()
+    V, d = weight.shape
+    limit = max(0, min(int(limit), V - 1))
+    logits = torch.empty(1, V, dtype=torch.float32)
+    mask = torch.empty(1, V, dtype=torch.bool)
+    toks = torch.empty(max(limit, 1), dtype=torch.int64)
+    acc = torch.empty(max(limit, 1), dtype=torch.float32)
+    ent = torch.empty(max(limit, 1), dtype=torch.float32)
+    out = torch.empty(4, dtype=torch.float32)
+    n = int(lib.hf_csv_top1(weight.data_ptr(), V, d, h.data_ptr(), upper.data_ptr(), int(seed), abs_l1.data_ptr(),
+                            cst.data_ptr(), limit, logits.data_ptr(), mask.data_ptr(), toks.data_ptr(), acc.data_ptr(),
+                            ent.data_ptr(), out.data_ptr()))
+    if n < 0:
+        return n, None, None, None, None, None, None
+    return n, logits, mask, toks[:n], acc[:n], ent[:n], out

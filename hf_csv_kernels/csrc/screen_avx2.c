@@ -21,6 +21,7 @@
 #include <stdatomic.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* fn(arg) on the calling thread and threads - 1 more (each takes work items from an atomic counter in arg);
    returns how many ran. Built with -fopenmp (native.py does so where torch's own parallel backend is OpenMP),
@@ -430,4 +431,126 @@ int hf_csv_row_terms(const float *w, const int8_t *q, const float *scale, int64_
     terms_t T = {w, q, scale, err2, l1q, absl1, V, d, 1024};
     atomic_init(&T.next, 0);
     return run_threads(terms_worker, &T, threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   The one-row top-1 epilogue: what hf_csv.certificate.CertifiedHead._topk computes after the screen for one float32
+   row, k = 1, a float32 head without a bias, in one call instead of about a hundred small torch ops. Each float step
+   below is the torch step it replaces, in the same order and rounding (this file is built with -ffp-contract=off, so
+   no product and sum fuse), except the dot products, whose order is free (below). Proofs: docs/certificates.md §2.1
+   (the seed's lower bound and the cut) and §2.0 (the values' slack and the argmax decided within it).
+
+   Dot products (the seed's exact value, each candidate's value and sum_j |w_j h_j|): 8 float32 FMA lanes, a
+   sequential sum of the lanes, then the tail; every term passes through at most d / 8 + 14 roundings, <= d + 2 for
+   d >= 16 (below 16: one scalar chain, d roundings), so each value is within gamma_{d+2} sum_j |w_j h_j| of the real
+   one (Higham, Lemma 3.1, any order) — the bound the Python path's F.linear / sum carry as well.
+
+   cst: gamma_{d+2}, (d + 2) 2^-149, max_i ||W_i||_1 (raised), max |b| (0), 1 + 1e-6, the slack coefficient
+   2 gamma (1 + 2 gamma)(1 + 1e-6) and 2 (d + 2) 2^-149, each rounded to float32 as torch rounds a Python scalar.
+   Returns the number n of candidates (toks ascending, acc their values, ent their slacks; logits holds acc on them and
+   -inf elsewhere, mask 1 on them; out = (t, bound, slack, sum of U_i - acc_i over S: a statistic)), or a negative code, after which the caller runs the torch
+   path: -1 more than `limit` candidates, -2 the argmax is not decided within the slack (stock's row needed), -3 a cut
+   that is not finite, -4 a seed out of range or a value / slack that is not finite. */
+static inline float f_down(float x) { return nextafterf(x, -INFINITY); }
+static inline float f_up(float x) { return nextafterf(x, INFINITY); }
+
+static void dot_abs(const float *w, const float *h, int64_t d, float *dot, float *absdot) {
+    float s = 0.0f, a = 0.0f;
+    int64_t j = 0;
+    if (d >= 16) {
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vs = _mm256_setzero_ps(), va = _mm256_setzero_ps();
+        for (; j + 8 <= d; j += 8) {
+            const __m256 wv = _mm256_loadu_ps(w + j), hv = _mm256_loadu_ps(h + j);
+            vs = _mm256_fmadd_ps(wv, hv, vs);
+            va = _mm256_fmadd_ps(_mm256_and_ps(wv, absmask), _mm256_and_ps(hv, absmask), va);
+        }
+        float bs[8], ba[8];
+        _mm256_storeu_ps(bs, vs);
+        _mm256_storeu_ps(ba, va);
+        for (int l = 0; l < 8; l++) { s = s + bs[l]; a = a + ba[l]; }
+    }
+    for (; j < d; j++) { s = s + w[j] * h[j]; a = a + fabsf(w[j]) * fabsf(h[j]); }
+    *dot = s;
+    *absdot = a;
+}
+
+int64_t hf_csv_top1(const float *W, int64_t V, int64_t d, const float *h, const float *U, int64_t seed,
+                    const float *abs_l1, const float *cst, int64_t limit, float *logits, uint8_t *mask,
+                    int64_t *toks, float *acc, float *ent, float *out) {
+    const float gam = cst[0], und = cst[1], l1max = cst[2], bmax = cst[3], raise = cst[4], coef = cst[5],
+                und2 = cst[6];
+    if (seed < 0 || seed >= V) return -4;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < d; j++) { const float v = fabsf(h[j]); if (v > amax) amax = v; }
+    /* stock_error: E = (gam (l1max amax + bmax)) raise + und */
+    float E = l1max * amax;
+    E = E + bmax;
+    E = gam * E;
+    E = E * raise;
+    E = E + und;
+    /* the seed's exact value and _stock_lower: lo = down(down(val - err, 2) - E, 2), err = gam |W_s|_1 amax + und */
+    float val, ad;
+    dot_abs(W + seed * d, h, d, &val, &ad);
+    if (!isfinite(val)) return -4;
+    float err = gam * abs_l1[seed];
+    err = err * amax;
+    err = err + und;
+    float lo = f_down(f_down(val - err));
+    lo = f_down(f_down(lo - E));
+    /* _cut in float32: b = pred(lo), edge = succ(b), t = down(edge - E, 2) */
+    const float b = f_down(lo), edge = f_up(b);
+    const float t = f_down(f_down(edge - E));
+    if (!isfinite(t) || !isfinite(b)) return -3;
+    /* S = {i : U_i >= t} (NaN compares false, as in torch) */
+    if (limit > V - 1) limit = V - 1;  /* a row holding every token is the torch path's (its bound is -inf) */
+    int64_t n = 0, i = 0;
+    const __m256 tv = _mm256_set1_ps(t);
+    for (; i + 8 <= V; i += 8) {
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(U + i), tv, _CMP_GE_OQ));
+        while (m) {
+            if (n >= limit) return -1;
+            toks[n++] = i + __builtin_ctz(m);
+            m &= m - 1;
+        }
+    }
+    for (; i < V; i++)
+        if (U[i] >= t) { if (n >= limit) return -1; toks[n++] = i; }
+    /* values, their slacks (CertifiedHead._values: ent = coef sum|w h| + 2 und) and the row's slack (their max) */
+    float slack = 0.0f, top = -INFINITY;
+    for (int64_t m = 0; m < n; m++) {
+        float a;
+        dot_abs(W + toks[m] * d, h, d, &acc[m], &a);
+        float e = coef * a;
+        e = e + und2;
+        if (!isfinite(acc[m]) || !isfinite(e)) return -4;
+        ent[m] = e;
+        if (e > slack) slack = e;
+        if (acc[m] > top) top = acc[m];
+    }
+    /* _sparse_undecided: w, the first token of the largest value, is stock's argmax when lo_w > hi_j for every j before
+       it and lo_w >= hi_j after it; value_interval in float32: lo = down(acc - s), hi = up(acc + s) */
+    if (n > 0 && slack > 0.0f) {
+        int64_t w = 0;
+        while (acc[w] != top) w++;
+        const float lo_w = f_down(acc[w] - ent[w]);
+        for (int64_t m = 0; m < n; m++) {
+            if (m == w) continue;
+            const float hi = f_up(acc[m] + ent[m]);
+            if (m < w ? !(lo_w > hi) : !(lo_w >= hi)) return -2;
+        }
+    }
+    for (int64_t v = 0; v < V; v++) logits[v] = -INFINITY;
+    memset(mask, 0, (size_t)V);
+    double radius = 0.0;
+    for (int64_t m = 0; m < n; m++) {
+        logits[toks[m]] = acc[m];
+        mask[toks[m]] = 1;
+        radius += (double)U[toks[m]] - (double)acc[m];
+    }
+    out[0] = t;
+    out[1] = b;
+    out[2] = slack;
+    out[3] = (float)radius;
+    return n;
 }
