@@ -159,6 +159,11 @@ class CSVSession:
                  verify_reruns=self.verify_reruns, head_rows=total,
                  certified_fraction=self.stats.certified / total if total else 0.0)
         d.update(self.reports)
+        if self.step.guard_last is not None:
+            guard, key = self.step.guard_last
+            summ = guard.summary(key)
+            if summ is not None:
+                d["speed_guard"] = summ
         full = total - self.stats.certified
         if isinstance(self.plan, Full):
             d["summary"] = f"full head ({self.reasons[0] if self.reasons else 'declined'})"

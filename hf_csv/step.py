@@ -79,6 +79,7 @@ class StepState:
     # the speed guard's record of the last head call, completed with the check step's time of the same step
     # (hf_csv.speed): (guard, key, certified, seconds in the head) or None
     guard_pending: Optional[tuple] = None
+    guard_last: Optional[tuple] = None  # (guard, key) of the last completed record: the call's summary reports it
     spec_pending: bool = False  # Bounded plan: a head call's bounds wait for hf_csv's verify
     spec_full_next: bool = False  # Bounded plan: the next head call is read by stock's sampler itself (no drafts)
 
@@ -228,12 +229,10 @@ def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: 
 
 def flush_guard(sess: Any, extra_seconds: float = 0.0) -> None:
     """Complete the pending speed-guard record of the last head call (adding ``extra_seconds``, the check's time of
-    the same step) and report the guard's current choice in the call's stats."""
+    the same step); the call's stats report the guard's choice for its key (``CSVSession.summary``)."""
     got, sess.step.guard_pending = sess.step.guard_pending, None
     if got is None:
         return
     guard, gkey, certified, seconds = got
     guard.record(gkey, certified, seconds + extra_seconds)
-    summ = guard.summary(gkey)
-    if summ is not None:
-        sess.reports["speed_guard"] = summ
+    sess.step.guard_last = (guard, gkey)  # the summary reads the guard's choice for it once, at the call's end

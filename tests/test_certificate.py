@@ -222,3 +222,143 @@ def test_cut_order_stays_strict_after_the_temperature(dtype, T):
     assert bool(torch.isneginf(t2).all()) and bool(torch.isposinf(b2).all())
     with pytest.raises(ValueError):
         _cut_order(lo, E, dtype, 0.0)
+
+
+# ------------------------------------------------------------------ the native one-row top-1 epilogue
+def _native_or_skip():
+    from hf_csv_kernels import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+
+
+def _counting_top1(monkeypatch):
+    """Count the calls of the dispatch op ``top1`` and how many it left to the torch path."""
+    from hf_csv_kernels import dispatch, screen
+
+    seen = {"calls": 0, "declined": 0}
+
+    def spy(*a, **k):
+        got = screen.top1_cpu(*a, **k)
+        seen["calls"] += 1
+        seen["declined"] += got is None or got[0] < 0
+        return got
+
+    monkeypatch.setitem(dispatch._REGISTRY["top1"], "cpu", spy)
+    return seen
+
+
+@pytest.mark.parametrize("V,d,scale", [(1000, 12, 3.0), (5000, 64, 3.0), (3000, 77, 0.3), (20000, 256, 3.0)])
+def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d, scale, monkeypatch):
+    """own_values=True (the native epilogue) on random heads: stock's argmax (the first maximum), every token outside S
+    at most the bound, the bound below stock's top value, each value within its slack of stock's, S as the torch path's
+    on nearly every row, and the stats counting S. Rows include exact ties (duplicated head rows)."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(V + d)
+    W = torch.randn(V, d, generator=g) * 0.05
+    W[V // 2] = W[V // 3]  # an exact tie whenever one of them is the top: the first index wins
+    W[V - 1] = W[7]
+    ch = CertifiedHead(W)
+    seen = _counting_top1(monkeypatch)
+    same_s = 0
+    rows = 60
+    for i in range(rows):
+        h = torch.randn(1, d, generator=g) * scale
+        if i % 5 == 0:  # aim the row at a tied pair
+            j = (V // 3, 7)[i % 2]
+            h = (W[j:j + 1] / W[j].norm() * 40 + h * 0.01)
+        nat = ch.topk(h, 1, own_values=True)
+        ref = ch.topk(h, 1)
+        stock = torch.nn.functional.linear(h, W)[0]
+        am = int(stock.argmax())
+        assert int(nat.logits.argmax()) == am == int(ref.logits.argmax())
+        assert nat.stats.rows == 1 and nat.stats.certified + nat.stats.fallback == 1
+        S = nat.mask[0]
+        if nat.stats.certified:
+            assert bool(S[am])
+            if bool((~S).any()):
+                assert float(stock[~S].max()) <= float(nat.bound[0])
+            assert float(nat.bound[0]) < float(stock[am])
+            r, t, acc = nat.acc
+            assert torch.equal(t, S.nonzero().view(-1))
+            assert bool(((acc - stock[t]).abs() <= nat.slack[0]).all())
+            assert torch.equal(nat.logits[0, t], acc) and bool(torch.isinf(nat.logits[0, ~S]).all())
+            assert nat.stats.subvocab_sizes == [int(S.sum())]
+        same_s += bool(torch.equal(S, ref.mask[0]))
+    assert seen["calls"] == rows
+    assert seen["declined"] <= rows // 4, seen  # (near ties and over-budget rows go to the torch path)
+    assert same_s >= rows - 3  # the seed's dot product in another order can move the cut by an ulp
+
+
+def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_path(monkeypatch):
+    _native_or_skip()
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(1, 64, generator=g) * 0.05 + torch.randn(4000, 64, generator=g) * 1e-4  # near-equal rows
+    ch = CertifiedHead(W, budget=3)
+    seen = _counting_top1(monkeypatch)
+    for _ in range(10):
+        h = torch.randn(1, 64, generator=g) * 3  # flat logits: S is larger than 3 tokens
+        nat = ch.topk(h, 1, own_values=True)
+        ref = ch.topk(h, 1)
+        assert torch.equal(nat.logits, ref.logits) and torch.equal(nat.mask, ref.mask)
+        assert nat.stats.fallback == ref.stats.fallback == 1
+    assert seen["calls"] == seen["declined"] == 10
+    # an exact tie whose values the slack cannot order: the torch path gives stock's row
+    W2 = torch.zeros(100, 32)
+    W2[3] = W2[50] = torch.linspace(-1, 1, 32)
+    W2[60] = torch.linspace(-1, 1, 32) * (1 - 2 ** -22)
+    h = torch.linspace(-1, 1, 32)[None] * 10
+    nat = CertifiedHead(W2).topk(h, 1, own_values=True)
+    assert int(nat.logits.argmax()) == int(torch.nn.functional.linear(h, W2).argmax()) == 3
+
+
+def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypatch):
+    """It runs for one float32 row, k = 1, own_values=True; never for the default call (values from stock's op),
+    several rows, k > 1, a bias, bf16, or HF_CSV_KERNELS=reference."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(6)
+    W = torch.randn(2000, 64, generator=g) * 0.05
+    h = torch.randn(3, 64, generator=g) * 3
+    seen = _counting_top1(monkeypatch)
+    ch = CertifiedHead(W)
+    ch.topk(h[:1], 1)
+    ch.topk(h, 1, own_values=True)
+    ch.topk(h[:1], 2, own_values=True)
+    CertifiedHead(W, torch.randn(2000, generator=g)).topk(h[:1], 1, own_values=True)
+    CertifiedHead(W.bfloat16()).topk(h[:1].bfloat16(), 1, out_dtype=torch.bfloat16, own_values=True)
+    assert seen["calls"] == 0
+    monkeypatch.setenv("HF_CSV_KERNELS", "reference")
+    ch.topk(h[:1], 1, own_values=True)
+    assert seen["calls"] == 0
+    monkeypatch.delenv("HF_CSV_KERNELS")
+    ch.topk(h[:1], 1, own_values=True)
+    assert seen["calls"] == 1
+
+
+def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_values(monkeypatch):
+    """Plain greedy decoding asks the head for its own values; greedy after a lowering processor does not (its head call
+    is a wider top-k: hf_csv.config.lowered_k), nor top-k sampling with stock's sampler or scores returned to the
+    caller (they need stock's op on S)."""
+    import hf_csv
+    from test_generate import tiny_llama
+
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    calls = []
+    orig = CertifiedHead.topk
+
+    def spy(self, H, k=1, **kw):
+        calls.append(kw.get("own_values", False))
+        return orig(self, H, k, **kw)
+
+    monkeypatch.setattr(CertifiedHead, "topk", spy)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    cfg = hf_csv.CSVConfig()
+    for gen, want in ((dict(do_sample=False), True), (dict(do_sample=False, repetition_penalty=1.3), False),
+                      (dict(do_sample=True, top_k=5), False),
+                      (dict(do_sample=False, output_scores=True, return_dict_in_generate=True), False)):
+        calls.clear()
+        c = hf_csv.CSVConfig(scores="subvocab") if gen.get("output_scores") else cfg
+        torch.manual_seed(0)
+        m.generate(ids, max_new_tokens=4, csv_config=c, **gen)
+        # (top-k sampling may run hf_csv's own draw instead of a top-k call where stock's values on S cannot be had)
+        assert (bool(calls) and set(calls) == {True}) if want else True not in calls, (gen, calls)
