@@ -62,13 +62,14 @@ class CertStats:
     subvocab_sum: int = 0
     subvocab_sizes: list = field(default_factory=list)
     near_ties: int = 0
+    native: int = 0  # certified rows whose epilogue ran in the native one-row kernel (own_values; speed only)
     tv_bound_max: float = 0.0
     radius_sum: float = 0.0
     vocab_size: int = 0
     collect_radius: bool = True
 
     def merge(self, other: "CertStats") -> "CertStats":
-        for f in ("rows", "certified", "fallback", "nonfinite", "out_of_range", "subvocab_sum", "near_ties"):
+        for f in ("rows", "certified", "fallback", "nonfinite", "out_of_range", "subvocab_sum", "near_ties", "native"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.subvocab_sizes.extend(other.subvocab_sizes)
         self.tv_bound_max = max(self.tv_bound_max, other.tv_bound_max)
@@ -89,6 +90,7 @@ class CertStats:
         return {"rows": self.rows, "certified": self.certified, "fallback": self.fallback,
                 "nonfinite": self.nonfinite, "out_of_range": self.out_of_range, "certified_fraction": self.certified_fraction,
                 "mean_subvocab_fraction": self.mean_subvocab_fraction, "near_ties": self.near_ties,
+                "native_rows": self.native,
                 "tv_bound_max": self.tv_bound_max,
                 "mean_bound_radius": self.radius_sum / self.subvocab_sum if self.subvocab_sum else 0.0}
 
@@ -192,10 +194,11 @@ class CertifiedHead:
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
         self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
-        # the one-row top-1 epilogue (dispatch op "top1", the native kernel) serves float32 CPU heads without a bias
+        # the one-row top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads
+        # without a bias
         self._top1_cst = (top1_constants(self._gam, self._underflow, self._l1_max, self._b_max)
-                          if weight.dtype == torch.float32 and weight.device.type == "cpu" and bias is None
-                          and self.weight.is_contiguous() else None)
+                          if weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+                          and bias is None and self.weight.is_contiguous() else None)
 
     # ------------------------------------------------- the value assumption
     def subset_exact(self) -> bool:
@@ -507,8 +510,9 @@ class CertifiedHead:
         bit for bit only where the caller has checked that: no proof gives it, docs/certificates.md §2.0).
 
         ``own_values``: the caller takes only decisions that it proves within the values' ``slack`` (greedy's argmax,
-        a draft's law) and never hands the values on S to stock's code as stock's. A float32 CPU head without a bias
-        may then compute a one-row top-1 call in hf_csv's native epilogue (:func:`hf_csv_kernels.native.top1`: the
+        a draft's law) and never hands the values on S to stock's code as stock's. A float32 or bfloat16 CPU head
+        without a bias, whose values are returned in its own dtype, may then compute a one-row top-1 call in hf_csv's
+        native epilogue (:func:`hf_csv_kernels.native.top1`: the
         same cut, its own dot products for the values, the same slack and argmax check) instead of ``F.linear`` on S
         (whose values equal stock's bit for bit where :meth:`subset_exact` says so; the native ones need not).
         """
@@ -537,7 +541,7 @@ class CertifiedHead:
         screen = getattr(self.provider, "screen", None)
         est, U, top = screen(Hf) if screen is not None else (*self.provider(Hf), None)
         if (own_values and N == 1 and k == 1 and top is not None and self._top1_cst is not None and not always
-                and not with_upper and k_min is None and subset is None and d == torch.float32
+                and not with_upper and k_min is None and subset is None and d == self.weight.dtype
                 and Hf.device.type == "cpu"):
             res = self._top1_native(Hf, est, U, top, stats)
             if res is not None:
@@ -579,7 +583,7 @@ class CertifiedHead:
 
     def _top1_native(self, Hf: torch.Tensor, est: torch.Tensor, U: torch.Tensor, top: torch.Tensor,
                      stats: CertStats) -> Optional[CertResult]:
-        """:meth:`_topk`'s result for one float32 row and k = 1 from the dispatch op ``top1`` (the native kernel's
+        """:meth:`_topk`'s result for one row and k = 1 from the dispatch op ``top1`` (the native kernel's
         :func:`hf_csv_kernels.native.top1`: the same seed, lower bound, cut, S, slack and argmax check,
         docs/certificates.md §2.1, §2.0); None where that call leaves the row to the torch path (more candidates than
         the budget or the dense cut-off, an argmax the slack leaves open, a value that is not finite, no native
@@ -592,6 +596,7 @@ class CertifiedHead:
         n, logits, mask, toks, acc, ent, out = got
         stats.rows += 1
         stats.certified += 1
+        stats.native += 1
         stats.subvocab_sum += n
         stats.subvocab_sizes.append(n)
         if stats.collect_radius:

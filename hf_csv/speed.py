@@ -107,20 +107,6 @@ def caller_threads() -> Iterator[None]:
             yield
 
 
-@contextlib.contextmanager
-def calls_on(n: int, caller: int) -> Iterator[None]:
-    """Run the block on ``n`` intra-op threads for a caller that runs on ``caller`` (what :func:`caller_threads`
-    inside it restores); both restored on exit, also after an exception. The choice of ``n`` is
-    :class:`ThreadTuner`'s."""
-    prev = getattr(_CALLER, "n", None)
-    _CALLER.n = caller
-    try:
-        with intra_op_threads(n):
-            yield
-    finally:
-        _CALLER.n = prev
-
-
 def cuda_reason(weight) -> Optional[str]:
     """Why a guarded head on a CUDA device runs the full head (None where the guard does not decide so)."""
     if weight.device.type != "cuda" or weight.numel() < MIN_WEIGHTS or not SpeedGuard.enabled():
@@ -344,7 +330,9 @@ class ThreadTuner:
 
     @contextlib.contextmanager
     def __call__(self, key) -> Iterator[int]:
-        """Run the block on the chosen thread count; yields it."""
+        """Run the block on the chosen thread count ``n`` (yielded), for a caller on ``T`` threads, which
+        :func:`caller_threads` inside it restores; both restored on exit, also after an exception. (One context
+        manager, not three nested ones: it wraps every certified head call.)"""
         T = torch.get_num_threads()
         fixed = self._fixed()
         tuned = fixed is None and T > 1
@@ -353,8 +341,16 @@ class ThreadTuner:
             n = self._pick(key, T)
         else:
             n = fixed if fixed is not None else T
+        prev = getattr(_CALLER, "n", None)
+        _CALLER.n = T
         t0 = time.perf_counter()
-        with calls_on(n, T):
+        if n != T:
+            torch.set_num_threads(n)
+        try:
             yield n
+        finally:
+            if n != T:
+                torch.set_num_threads(T)
+            _CALLER.n = prev
         if tuned:
             self._record(key, n, T, time.perf_counter() - t0)

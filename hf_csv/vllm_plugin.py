@@ -369,7 +369,9 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
             if plan.temperature == 0.0:
                 # after lowering steps: a wider set (stock's top-k_head, or its top-1 where that is over the budget),
                 # so that the processed winner is still in S (config.lowered_k; any set is sound)
-                kw = dict(k=lowered_k(1, V), k_min=1) if process is not None else dict(k=1)
+                # (plain greedy: vLLM only takes the argmax, proven within the values' slack, so the head may compute
+                # the values itself: own_values, the native one-row epilogue)
+                kw = dict(k=lowered_k(1, V), k_min=1) if process is not None else dict(k=1, own_values=True)
                 res = head.topk(Hg, out_dtype=H.dtype, stock=rows_of(idx), **kw)
                 out[idx] = res.logits.to(H.dtype)
                 if process is not None:

@@ -261,7 +261,7 @@ def _build_with(flags: list, name: str = "avx2") -> ctypes.CDLL:
     lib.hf_csv_openmp.restype = i32
     lib.hf_csv_path.argtypes = []
     lib.hf_csv_path.restype = i32
-    lib.hf_csv_top1.argtypes = [p, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p]
+    lib.hf_csv_top1.argtypes = [p, i32, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p]
     lib.hf_csv_top1.restype = i64
     return lib
 
@@ -501,23 +501,24 @@ def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) ->
 def top1(weight: torch.Tensor, h: torch.Tensor, upper: torch.Tensor, seed: int, abs_l1: torch.Tensor,
          cst: torch.Tensor, limit: int) -> tuple:
     """The one-row top-1 epilogue of ``hf_csv.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
-    ``hf_csv_top1``): for a float32 head ``weight`` [V, d] (no bias), one float32 row ``h`` [d], the screen's upper
-    bounds ``upper`` [V] and its seed, returns ``(n, logits [1, V], mask [1, V] bool, toks [n], acc [n], ent [n],
-    (t, bound, slack))``, or ``(code, None, ...)`` with a negative code (:data:`TOP1_WHY`) where the torch path must
-    take the row (then also ``(t, bound, slack, radius sum)``). ``cst``: :func:`top1_constants`. The guarantees are the torch path's
-    (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes."""
+    ``hf_csv_top1``): for a float32 or bfloat16 head ``weight`` [V, d] (no bias), one row ``h`` [d] in float32, the
+    screen's upper bounds ``upper`` [V] and its seed, returns ``(n, logits [1, V] in the head's dtype, mask [1, V]
+    bool, toks [n], acc [n], ent [n], (t, bound, slack, radius sum))``, or ``(code, None, ...)`` with a negative code
+    (:data:`TOP1_WHY`) where the torch path must take the row. ``cst``: :func:`top1_constants`. The guarantees are
+    the torch path's (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes."""
     lib = _lib_or_raise()
     V, d = weight.shape
+    bf16 = weight.dtype == torch.bfloat16
     limit = max(0, min(int(limit), V - 1))
-    logits = torch.empty(1, V, dtype=torch.float32)
+    logits = torch.empty(1, V, dtype=weight.dtype)
     mask = torch.empty(1, V, dtype=torch.bool)
     toks = torch.empty(max(limit, 1), dtype=torch.int64)
     acc = torch.empty(max(limit, 1), dtype=torch.float32)
     ent = torch.empty(max(limit, 1), dtype=torch.float32)
     out = torch.empty(4, dtype=torch.float32)
-    n = int(lib.hf_csv_top1(weight.data_ptr(), V, d, h.data_ptr(), upper.data_ptr(), int(seed), abs_l1.data_ptr(),
-                            cst.data_ptr(), limit, logits.data_ptr(), mask.data_ptr(), toks.data_ptr(), acc.data_ptr(),
-                            ent.data_ptr(), out.data_ptr()))
+    n = int(lib.hf_csv_top1(weight.data_ptr(), int(bf16), V, d, h.data_ptr(), upper.data_ptr(), int(seed),
+                            abs_l1.data_ptr(), cst.data_ptr(), limit, logits.data_ptr(), mask.data_ptr(),
+                            toks.data_ptr(), acc.data_ptr(), ent.data_ptr(), out.data_ptr()))
     if n < 0:
         return n, None, None, None, None, None, None
     return n, logits, mask, toks[:n], acc[:n], ent[:n], out

@@ -248,17 +248,23 @@ def _counting_top1(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V,d,scale", [(1000, 12, 3.0), (5000, 64, 3.0), (3000, 77, 0.3), (20000, 256, 3.0)])
-def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d, scale, monkeypatch):
-    """own_values=True (the native epilogue) on random heads: stock's argmax (the first maximum), every token outside S
-    at most the bound, the bound below stock's top value, each value within its slack of stock's, S as the torch path's
-    on nearly every row, and the stats counting S. Rows include exact ties (duplicated head rows)."""
+def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d, scale, dtype, monkeypatch):
+    """own_values=True (the native epilogue) on random heads, float32 and bfloat16: stock's argmax (the first maximum),
+    every token outside S at most the bound, the bound below stock's top value, stock's value inside each value's
+    interval (value_interval of its accumulator and slack), S as the torch path's on nearly every row, the stats
+    counting S. Rows include exact ties (duplicated head rows)."""
+    from hf_csv.certificate import value_interval
+
     _native_or_skip()
     g = torch.Generator().manual_seed(V + d)
     W = torch.randn(V, d, generator=g) * 0.05
     W[V // 2] = W[V // 3]  # an exact tie whenever one of them is the top: the first index wins
     W[V - 1] = W[7]
+    W = W.to(dtype)
     ch = CertifiedHead(W)
+    od = None if dtype == torch.float32 else dtype
     seen = _counting_top1(monkeypatch)
     same_s = 0
     rows = 60
@@ -266,11 +272,13 @@ def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d,
         h = torch.randn(1, d, generator=g) * scale
         if i % 5 == 0:  # aim the row at a tied pair
             j = (V // 3, 7)[i % 2]
-            h = (W[j:j + 1] / W[j].norm() * 40 + h * 0.01)
-        nat = ch.topk(h, 1, own_values=True)
-        ref = ch.topk(h, 1)
-        stock = torch.nn.functional.linear(h, W)[0]
+            h = (W[j:j + 1].float() / W[j].float().norm() * 40 + h * 0.01)
+        h = h.to(dtype)
+        nat = ch.topk(h, 1, out_dtype=od, own_values=True)
+        ref = ch.topk(h, 1, out_dtype=od)
+        stock = torch.nn.functional.linear(h, W)[0].float()
         am = int(stock.argmax())
+        assert nat.logits.dtype == dtype
         assert int(nat.logits.argmax()) == am == int(ref.logits.argmax())
         assert nat.stats.rows == 1 and nat.stats.certified + nat.stats.fallback == 1
         S = nat.mask[0]
@@ -281,8 +289,9 @@ def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d,
             assert float(nat.bound[0]) < float(stock[am])
             r, t, acc = nat.acc
             assert torch.equal(t, S.nonzero().view(-1))
-            assert bool(((acc - stock[t]).abs() <= nat.slack[0]).all())
-            assert torch.equal(nat.logits[0, t], acc) and bool(torch.isinf(nat.logits[0, ~S]).all())
+            lo, hi = value_interval(acc[None], nat.slack, dtype)
+            assert bool(((lo[0] <= stock[t]) & (stock[t] <= hi[0])).all())
+            assert torch.equal(nat.logits[0, t], acc.to(dtype)) and bool(torch.isinf(nat.logits[0, ~S]).all())
             assert nat.stats.subvocab_sizes == [int(S.sum())]
         same_s += bool(torch.equal(S, ref.mask[0]))
     assert seen["calls"] == rows
@@ -313,8 +322,9 @@ def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_
 
 
 def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypatch):
-    """It runs for one float32 row, k = 1, own_values=True; never for the default call (values from stock's op),
-    several rows, k > 1, a bias, bf16, or HF_CSV_KERNELS=reference."""
+    """It runs for one row, k = 1, own_values=True, values in the head's dtype; never for the default call (values
+    from stock's op), several rows, k > 1, a bias, a bf16 head returning float32 values, fp16, or
+    HF_CSV_KERNELS=reference."""
     _native_or_skip()
     g = torch.Generator().manual_seed(6)
     W = torch.randn(2000, 64, generator=g) * 0.05
@@ -325,7 +335,8 @@ def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypa
     ch.topk(h, 1, own_values=True)
     ch.topk(h[:1], 2, own_values=True)
     CertifiedHead(W, torch.randn(2000, generator=g)).topk(h[:1], 1, own_values=True)
-    CertifiedHead(W.bfloat16()).topk(h[:1].bfloat16(), 1, out_dtype=torch.bfloat16, own_values=True)
+    CertifiedHead(W.bfloat16()).topk(h[:1].bfloat16(), 1, own_values=True)
+    CertifiedHead(W.half()).topk(h[:1].half(), 1, out_dtype=torch.float16, own_values=True)
     assert seen["calls"] == 0
     monkeypatch.setenv("HF_CSV_KERNELS", "reference")
     ch.topk(h[:1], 1, own_values=True)

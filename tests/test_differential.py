@@ -421,7 +421,7 @@ def _run(c: dict, n_sampling: int) -> dict:
     certified = st["mode"] != "full" and st.get("certified", 0) > 0
     res.update(status="certified" if certified else "declined", mode=st["mode"], reasons=st["reasons"],
                rows=st.get("rows", 0), certified_rows=st.get("certified", 0), declined_rows=st.get("declined_rows", 0),
-               reruns=st["verify_reruns"])
+               reruns=st["verify_reruns"], native_rows=st.get("native_rows", 0))
     if c["kind"] != "sample" or st["mode"] == "full":
         ok, why = _same_outputs(a, b)  # declined: stock's head and sampler, the same random stream
     elif st["mode"] in ("topk", "threshold", "nucleus"):
@@ -454,6 +454,9 @@ def test_differential_summary(request):
                "by_kind_certified": dict(Counter(r["kind"] for r in RESULTS if r["status"] == "certified")),
                "by_kind": dict(Counter(r["kind"] for r in RESULTS)),
                "reruns": sum(r["reruns"] for r in RESULTS),
+               # certified rows whose epilogue ran in the native one-row kernel (hf_csv_kernels.native.top1)
+               "native_rows": sum(r["native_rows"] for r in RESULTS),
+               "native_cases": sum(r["native_rows"] > 0 for r in RESULTS),
                "whisper_timestamps": {"cases": sum(r["timestamps"] for r in RESULTS),
                                       "certified": sum(r["timestamps"] and r["status"] == "certified" for r in RESULTS)},
                "whisper_fallback": {"cases": sum(r["fallback"] for r in RESULTS),
@@ -482,6 +485,11 @@ def test_differential_summary(request):
     if n >= 200:
         expected = set(ARCHS) - (set() if torch.float32 in DTYPES else {"phi"})
         assert set(summary["by_arch"]) >= expected, summary["by_arch"]
+        # greedy calls ran the native one-row epilogue where the kernel is built (its results checked like every row)
+        from hf_csv_kernels import native
+
+        if native.available() and os.environ.get("HF_CSV_KERNELS", "") in ("", "cpu"):
+            assert summary["native_cases"] > 0, summary
         # token-identical beam search decided some calls from its intervals (where the values may be handed over)
         from hf_csv import CertifiedHead
 

@@ -434,34 +434,81 @@ int hf_csv_row_terms(const float *w, const int8_t *q, const float *scale, int64_
 }
 
 /* ------------------------------------------------------------------------------------------------------------------
-   The one-row top-1 epilogue: what hf_csv.certificate.CertifiedHead._topk computes after the screen for one float32
-   row, k = 1, a float32 head without a bias, in one call instead of about a hundred small torch ops. Each float step
-   below is the torch step it replaces, in the same order and rounding (this file is built with -ffp-contract=off, so
-   no product and sum fuse), except the dot products, whose order is free (below). Proofs: docs/certificates.md §2.1
-   (the seed's lower bound and the cut) and §2.0 (the values' slack and the argmax decided within it).
+   The one-row top-1 epilogue: what hf_csv.certificate.CertifiedHead._topk computes after the screen for one row, k = 1,
+   a head without a bias whose values are returned in its own dtype (float32, or bfloat16 with `bf16`), in one call
+   instead of about a hundred small torch ops. Each float step below is the torch step it replaces, in the same order
+   and rounding (this file is built with -ffp-contract=off, so no product and sum fuse; bfloat16 roundings are to
+   nearest, ties to even, as torch's), except the dot products, whose order is free (below). Proofs:
+   docs/certificates.md §2.1 (the seed's lower bound and the cut) and §2.0 (the values' slack and the argmax decided
+   within it).
 
-   Dot products (the seed's exact value, each candidate's value and sum_j |w_j h_j|): 8 float32 FMA lanes, a
-   sequential sum of the lanes, then the tail; every term passes through at most d / 8 + 14 roundings, <= d + 2 for
-   d >= 16 (below 16: one scalar chain, d roundings), so each value is within gamma_{d+2} sum_j |w_j h_j| of the real
-   one (Higham, Lemma 3.1, any order) — the bound the Python path's F.linear / sum carry as well.
+   Dot products (the seed's exact value, each candidate's float32 accumulator and sum_j |w_j h_j|, bfloat16 weights
+   widened exactly): 8 float32 FMA lanes, a sequential sum of the lanes, then the tail; every term passes through at
+   most d / 8 + 14 roundings, <= d + 2 for d >= 16 (below 16: one scalar chain, d roundings), so each value is within
+   gamma_{d+2} sum_j |w_j h_j| of the real one (Higham, Lemma 3.1, any order) — the bound the torch path's F.linear
+   and sum carry as well.
 
-   cst: gamma_{d+2}, (d + 2) 2^-149, max_i ||W_i||_1 (raised), max |b| (0), 1 + 1e-6, the slack coefficient
-   2 gamma (1 + 2 gamma)(1 + 1e-6) and 2 (d + 2) 2^-149, each rounded to float32 as torch rounds a Python scalar.
-   Returns the number n of candidates (toks ascending, acc their values, ent their slacks; logits holds acc on them and
-   -inf elsewhere, mask 1 on them; out = (t, bound, slack, sum of U_i - acc_i over S: a statistic)), or a negative code, after which the caller runs the torch
-   path: -1 more than `limit` candidates, -2 the argmax is not decided within the slack (stock's row needed), -3 a cut
-   that is not finite, -4 a seed out of range or a value / slack that is not finite. */
+   h: the row in float32 (a bfloat16 row widened exactly). cst: gamma_{d+2}, (d + 2) 2^-149, max_i ||W_i||_1 (raised),
+   max |b| (0), 1 + 1e-6, the slack coefficient 2 gamma (1 + 2 gamma)(1 + 1e-6) and 2 (d + 2) 2^-149, each rounded to
+   float32 as torch rounds a Python scalar. Returns the number n of candidates (toks ascending, acc their float32
+   accumulators, ent their slacks; logits — float32, or bfloat16 bits — holds the values, acc rounded to the head's
+   dtype, on them and -inf elsewhere, mask 1 on them; out = (t, bound, slack, sum of U_i - value_i over S: a
+   statistic)), or a negative code, after which the caller runs the torch path: -1 more than `limit` candidates, -2 the
+   argmax is not decided within the slack (stock's row needed), -3 a cut that is not finite, -4 a seed out of range or
+   a value / slack that is not finite. */
 static inline float f_down(float x) { return nextafterf(x, -INFINITY); }
 static inline float f_up(float x) { return nextafterf(x, INFINITY); }
 
-static void dot_abs(const float *w, const float *h, int64_t d, float *dot, float *absdot) {
+static inline float bf2f(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> bfloat16, to nearest, ties to even (c10::BFloat16's rounding; NaN stays a quiet NaN) */
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* the next bfloat16 toward -inf (up = 0) or +inf (up = 1), for a finite or infinite b (nextafter on the bits) */
+static inline uint16_t bf_step(uint16_t b, int up) {
+    const float f = bf2f(b);
+    if (f != f) return b;
+    if (f == 0.0f) return up ? 0x0001u : 0x8001u;
+    if (up ? f == INFINITY : f == -INFINITY) return b;
+    return (uint16_t)(((f > 0.0f) == (up != 0)) ? b + 1 : b - 1);
+}
+
+/* x rounded to the head's dtype (float32: itself), as a float32 */
+static inline float vround(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }
+
+/* _to_dtype: x rounded to bfloat16 toward +inf (up) or -inf, as a float32 (float32: x) */
+static inline float to_dtype_dir(float x, int bf16, int up) {
+    if (!bf16) return x;
+    uint16_t v = f2bf(x);
+    const float vf = bf2f(v);
+    if (up ? vf < x : vf > x) v = bf_step(v, up);
+    return bf2f(v);
+}
+
+static void dot_abs(const void *wp, int bf16, const float *h, int64_t d, float *dot, float *absdot) {
+    const float *wf = (const float *)wp;
+    const uint16_t *wb = (const uint16_t *)wp;
     float s = 0.0f, a = 0.0f;
     int64_t j = 0;
     if (d >= 16) {
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         __m256 vs = _mm256_setzero_ps(), va = _mm256_setzero_ps();
         for (; j + 8 <= d; j += 8) {
-            const __m256 wv = _mm256_loadu_ps(w + j), hv = _mm256_loadu_ps(h + j);
+            const __m256 wv = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb + j))), 16))
+                                   : _mm256_loadu_ps(wf + j);
+            const __m256 hv = _mm256_loadu_ps(h + j);
             vs = _mm256_fmadd_ps(wv, hv, vs);
             va = _mm256_fmadd_ps(_mm256_and_ps(wv, absmask), _mm256_and_ps(hv, absmask), va);
         }
@@ -470,16 +517,21 @@ static void dot_abs(const float *w, const float *h, int64_t d, float *dot, float
         _mm256_storeu_ps(ba, va);
         for (int l = 0; l < 8; l++) { s = s + bs[l]; a = a + ba[l]; }
     }
-    for (; j < d; j++) { s = s + w[j] * h[j]; a = a + fabsf(w[j]) * fabsf(h[j]); }
+    for (; j < d; j++) {
+        const float w = bf16 ? bf2f(wb[j]) : wf[j];
+        s = s + w * h[j];
+        a = a + fabsf(w) * fabsf(h[j]);
+    }
     *dot = s;
     *absdot = a;
 }
 
-int64_t hf_csv_top1(const float *W, int64_t V, int64_t d, const float *h, const float *U, int64_t seed,
-                    const float *abs_l1, const float *cst, int64_t limit, float *logits, uint8_t *mask,
+int64_t hf_csv_top1(const void *W, int bf16, int64_t V, int64_t d, const float *h, const float *U, int64_t seed,
+                    const float *abs_l1, const float *cst, int64_t limit, void *logits, uint8_t *mask,
                     int64_t *toks, float *acc, float *ent, float *out) {
     const float gam = cst[0], und = cst[1], l1max = cst[2], bmax = cst[3], raise = cst[4], coef = cst[5],
                 und2 = cst[6];
+    const size_t wsize = bf16 ? 2 : 4;
     if (seed < 0 || seed >= V) return -4;
     float amax = 0.0f;
     for (int64_t j = 0; j < d; j++) { const float v = fabsf(h[j]); if (v > amax) amax = v; }
@@ -491,15 +543,25 @@ int64_t hf_csv_top1(const float *W, int64_t V, int64_t d, const float *h, const 
     E = E + und;
     /* the seed's exact value and _stock_lower: lo = down(down(val - err, 2) - E, 2), err = gam |W_s|_1 amax + und */
     float val, ad;
-    dot_abs(W + seed * d, h, d, &val, &ad);
+    dot_abs((const char *)W + (size_t)(seed * d) * wsize, bf16, h, d, &val, &ad);
     if (!isfinite(val)) return -4;
     float err = gam * abs_l1[seed];
     err = err * amax;
     err = err + und;
     float lo = f_down(f_down(val - err));
     lo = f_down(f_down(lo - E));
-    /* _cut in float32: b = pred(lo), edge = succ(b), t = down(edge - E, 2) */
-    const float b = f_down(lo), edge = f_up(b);
+    /* _cut: b = the predecessor of round(lo) in the head's dtype; _cut_at: edge = succ(b) in float32, or in bfloat16
+       the midpoint of b and its successor (exact in float32); t = down(edge - E, 2) */
+    float b, edge;
+    if (bf16) {
+        const uint16_t bb = bf_step(f2bf(lo), 0);
+        b = bf2f(bb);
+        edge = b + bf2f(bf_step(bb, 1));
+        edge = edge / 2.0f;
+    } else {
+        b = f_down(lo);
+        edge = f_up(b);
+    }
     const float t = f_down(f_down(edge - E));
     if (!isfinite(t) || !isfinite(b)) return -3;
     /* S = {i : U_i >= t} (NaN compares false, as in torch) */
@@ -516,37 +578,47 @@ int64_t hf_csv_top1(const float *W, int64_t V, int64_t d, const float *h, const 
     }
     for (; i < V; i++)
         if (U[i] >= t) { if (n >= limit) return -1; toks[n++] = i; }
-    /* values, their slacks (CertifiedHead._values: ent = coef sum|w h| + 2 und) and the row's slack (their max) */
+    /* accumulators, their slacks (CertifiedHead._values: ent = coef sum|w h| + 2 und), the row's slack (their max)
+       and the largest value (the accumulator rounded to the head's dtype) */
     float slack = 0.0f, top = -INFINITY;
     for (int64_t m = 0; m < n; m++) {
         float a;
-        dot_abs(W + toks[m] * d, h, d, &acc[m], &a);
+        dot_abs((const char *)W + (size_t)(toks[m] * d) * wsize, bf16, h, d, &acc[m], &a);
         float e = coef * a;
         e = e + und2;
-        if (!isfinite(acc[m]) || !isfinite(e)) return -4;
+        if (!isfinite(acc[m]) || !isfinite(e) || !isfinite(vround(acc[m], bf16))) return -4;
         ent[m] = e;
         if (e > slack) slack = e;
-        if (acc[m] > top) top = acc[m];
+        const float v = vround(acc[m], bf16);
+        if (v > top) top = v;
     }
     /* _sparse_undecided: w, the first token of the largest value, is stock's argmax when lo_w > hi_j for every j before
-       it and lo_w >= hi_j after it; value_interval in float32: lo = down(acc - s), hi = up(acc + s) */
+       it and lo_w >= hi_j after it; value_interval: lo = down(acc - s) rounded down to the dtype, hi = up(acc + s)
+       rounded up */
     if (n > 0 && slack > 0.0f) {
         int64_t w = 0;
-        while (acc[w] != top) w++;
-        const float lo_w = f_down(acc[w] - ent[w]);
+        while (vround(acc[w], bf16) != top) w++;
+        const float lo_w = to_dtype_dir(f_down(acc[w] - ent[w]), bf16, 0);
         for (int64_t m = 0; m < n; m++) {
             if (m == w) continue;
-            const float hi = f_up(acc[m] + ent[m]);
+            const float hi = to_dtype_dir(f_up(acc[m] + ent[m]), bf16, 1);
             if (m < w ? !(lo_w > hi) : !(lo_w >= hi)) return -2;
         }
     }
-    for (int64_t v = 0; v < V; v++) logits[v] = -INFINITY;
-    memset(mask, 0, (size_t)V);
     double radius = 0.0;
+    if (bf16) {
+        uint16_t *lg = (uint16_t *)logits;
+        for (int64_t v = 0; v < V; v++) lg[v] = 0xff80u;  /* -inf */
+        for (int64_t m = 0; m < n; m++) lg[toks[m]] = f2bf(acc[m]);
+    } else {
+        float *lg = (float *)logits;
+        for (int64_t v = 0; v < V; v++) lg[v] = -INFINITY;
+        for (int64_t m = 0; m < n; m++) lg[toks[m]] = acc[m];
+    }
+    memset(mask, 0, (size_t)V);
     for (int64_t m = 0; m < n; m++) {
-        logits[toks[m]] = acc[m];
         mask[toks[m]] = 1;
-        radius += (double)U[toks[m]] - (double)acc[m];
+        radius += (double)U[toks[m]] - (double)vround(acc[m], bf16);
     }
     out[0] = t;
     out[1] = b;
