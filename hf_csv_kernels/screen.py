@@ -415,21 +415,23 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
     if out.w8 is None:
         return None
-    k = out.cols.numel()
-    u = unit_roundoff()
-    g = gamma(k + 2)
     exact = out.err_rest is not None
     terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
     b = None if bias is None else bias.float().contiguous()
     # keyed by the caller's bias object, not by b: a bias of another dtype gives a fresh copy every call
     key = ("bounds_checked", id(out), id(bias))
-    if key not in state._cache:  # once per outlier set and bias: the state's tensors do not change
+    got = state._cache.get(key)
+    if got is None:  # once per outlier set and bias: the state's tensors do not change
         _native.check_bounds_inputs(lay[0], rows.scale, out.cols, out.w8, terms, b)
-        state._cache[key] = (out, bias)  # holds both, so their ids are not reused while the entry lives
-    # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} + 4u)·‖h‖_∞
-    # (Lemma 2′'s step, Lemma 3's float steps, the provider's 4u for |est|); a_i's (γ_{k+2} + 4u)·‖h‖_∞ with exact
-    # outlier columns; 2u for |b_i|
-    K = (1 + 4 * u, 0.5 * (1 + _ACT_SLACK) / _native_levels, 64 * u + g + 4 * u, (g + 4 * u) if exact else 0.0, 2 * u)
+        u = unit_roundoff()
+        g = gamma(out.cols.numel() + 2)
+        # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} +
+        # 4u)·‖h‖_∞ (Lemma 2′'s step, Lemma 3's float steps, the provider's 4u for |est|); a_i's (γ_{k+2} + 4u)·‖h‖_∞
+        # with exact outlier columns; 2u for |b_i|
+        K = (1 + 4 * u, 0.5 * (1 + _ACT_SLACK) / _native_levels, 64 * u + g + 4 * u, (g + 4 * u) if exact else 0.0,
+             2 * u)
+        got = state._cache[key] = (out, bias, K)  # holds both, so their ids are not reused while the entry lives
+    K = got[2]
     return _native.screen_bounds(lay[0], rows.scale, lay[1], H.float().contiguous(), out.cols, out.w8, exact, K,
                                  terms, b, checked=True)
 
