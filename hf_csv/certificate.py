@@ -511,7 +511,7 @@ class CertifiedHead:
 
         ``own_values``: the caller takes only decisions that it proves within the values' ``slack`` (greedy's argmax,
         a draft's law) and never hands the values on S to stock's code as stock's. A float32 or bfloat16 CPU head
-        without a bias, whose values are returned in its own dtype, may then compute a one-row top-1 call in hf_csv's
+        without a bias, whose values are returned in its own dtype, may then compute a top-1 call in hf_csv's
         native epilogue (:func:`hf_csv_kernels.native.top1`: the
         same cut, its own dot products for the values, the same slack and argmax check) instead of ``F.linear`` on S
         (whose values equal stock's bit for bit where :meth:`subset_exact` says so; the native ones need not).
@@ -540,7 +540,7 @@ class CertifiedHead:
         stats = CertStats(vocab_size=self.vocab_size)
         screen = getattr(self.provider, "screen", None)
         est, U, top = screen(Hf) if screen is not None else (*self.provider(Hf), None)
-        if (own_values and N == 1 and k == 1 and top is not None and self._top1_cst is not None and not always
+        if (own_values and k == 1 and top is not None and self._top1_cst is not None and not always
                 and not with_upper and k_min is None and subset is None and d == self.weight.dtype
                 and Hf.device.type == "cpu"):
             res = self._top1_native(Hf, est, U, top, stats)
@@ -583,26 +583,26 @@ class CertifiedHead:
 
     def _top1_native(self, Hf: torch.Tensor, est: torch.Tensor, U: torch.Tensor, top: torch.Tensor,
                      stats: CertStats) -> Optional[CertResult]:
-        """:meth:`_topk`'s result for one row and k = 1 from the dispatch op ``top1`` (the native kernel's
-        :func:`hf_csv_kernels.native.top1`: the same seed, lower bound, cut, S, slack and argmax check,
-        docs/certificates.md §2.1, §2.0); None where that call leaves the row to the torch path (more candidates than
-        the budget or the dense cut-off, an argmax the slack leaves open, a value that is not finite, no native
-        kernel)."""
+        """:meth:`_topk`'s result for k = 1 from the dispatch op ``top1`` (the native kernel's
+        :func:`hf_csv_kernels.native.top1`: per row the same seed, lower bound, cut, S, slack and argmax check,
+        docs/certificates.md §2.1, §2.0); None where that call leaves the call to the torch path (a row with more
+        candidates than the budget or the dense cut-off, an argmax the slack leaves open, a value that is not finite,
+        no native kernel)."""
         op = get_op("top1", Hf.device, optional=True)
-        got = None if op is None else op(self.weight, Hf[0].contiguous(), U[0], int(top[0]), self._abs_l1, self._top1_cst,
-                                         min(self.budget, self._dense_cutoff))
+        got = None if op is None else op(self.weight, Hf.contiguous(), U.contiguous(), top.contiguous(),
+                                         self._abs_l1, self._top1_cst, min(self.budget, self._dense_cutoff))
         if got is None or got[0] < 0:
             return None
-        n, logits, mask, toks, acc, ent, out = got
-        stats.rows += 1
-        stats.certified += 1
-        stats.native += 1
+        n, logits, mask, rows, toks, acc, ent, out, counts = got
+        N = Hf.shape[0]
+        stats.rows += N
+        stats.certified += N
+        stats.native += N
         stats.subvocab_sum += n
-        stats.subvocab_sizes.append(n)
+        stats.subvocab_sizes.extend(counts.tolist())
         if stats.collect_radius:
-            stats.radius_sum += float(out[3])
-        rows = torch.zeros(n, dtype=torch.long)
-        return CertResult(logits=logits, stats=stats, mask=mask, est=est, bound=out[1:2], slack=out[2:3],
+            stats.radius_sum += float(out[:, 3].double().sum())
+        return CertResult(logits=logits, stats=stats, mask=mask, est=est, bound=out[:, 1], slack=out[:, 2],
                           acc=(rows, toks, acc))
 
     def _to_stock(self, rows: torch.Tensor, logits: torch.Tensor, S: torch.Tensor, bound: Optional[torch.Tensor],

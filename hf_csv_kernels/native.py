@@ -261,7 +261,7 @@ def _build_with(flags: list, name: str = "avx2") -> ctypes.CDLL:
     lib.hf_csv_openmp.restype = i32
     lib.hf_csv_path.argtypes = []
     lib.hf_csv_path.restype = i32
-    lib.hf_csv_top1.argtypes = [p, i32, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, p]
+    lib.hf_csv_top1.argtypes = [p, i32, i64, i64, p, p, p, i64, p, p, i64, p, p, p, p, p, p, p]
     lib.hf_csv_top1.restype = i64
     return lib
 
@@ -498,27 +498,36 @@ def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) ->
                          2 * underflow], dtype=torch.float32)
 
 
-def top1(weight: torch.Tensor, h: torch.Tensor, upper: torch.Tensor, seed: int, abs_l1: torch.Tensor,
+def top1(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torch.Tensor, abs_l1: torch.Tensor,
          cst: torch.Tensor, limit: int) -> tuple:
-    """The one-row top-1 epilogue of ``hf_csv.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
-    ``hf_csv_top1``): for a float32 or bfloat16 head ``weight`` [V, d] (no bias), one row ``h`` [d] in float32, the
-    screen's upper bounds ``upper`` [V] and its seed, returns ``(n, logits [1, V] in the head's dtype, mask [1, V]
-    bool, toks [n], acc [n], ent [n], (t, bound, slack, radius sum))``, or ``(code, None, ...)`` with a negative code
-    (:data:`TOP1_WHY`) where the torch path must take the row. ``cst``: :func:`top1_constants`. The guarantees are
-    the torch path's (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes."""
+    """The top-1 epilogue of ``hf_csv.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
+    ``hf_csv_top1``): for a float32 or bfloat16 head ``weight`` [V, d] (no bias), rows ``H`` [N, d] in float32, the
+    screen's upper bounds ``upper`` [N, V] and its seeds (int64 [N]), returns ``(n, logits [N, V] in the head's dtype,
+    mask [N, V] bool, rows [n], toks [n], acc [n], ent [n], out [N, 4] = (t, bound, slack, radius sum) per row,
+    counts [N])`` with the candidates row by row, tokens ascending; or ``(code, None, ...)`` with a negative code
+    (:data:`TOP1_WHY`) where the torch path must take the call. ``cst``: :func:`top1_constants`. The guarantees are
+    the torch path's (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes (contiguous CPU
+    tensors)."""
     lib = _lib_or_raise()
     V, d = weight.shape
+    N = H.shape[0]
     bf16 = weight.dtype == torch.bfloat16
-    limit = max(0, min(int(limit), V - 1))
-    logits = torch.empty(1, V, dtype=weight.dtype)
-    mask = torch.empty(1, V, dtype=torch.bool)
-    toks = torch.empty(max(limit, 1), dtype=torch.int64)
-    acc = torch.empty(max(limit, 1), dtype=torch.float32)
-    ent = torch.empty(max(limit, 1), dtype=torch.float32)
-    out = torch.empty(4, dtype=torch.float32)
-    n = int(lib.hf_csv_top1(weight.data_ptr(), int(bf16), V, d, h.data_ptr(), upper.data_ptr(), int(seed),
+    limit = max(1, min(int(limit), V - 1))
+    logits = torch.empty(N, V, dtype=weight.dtype)
+    mask = torch.empty(N, V, dtype=torch.bool)
+    toks = torch.empty(N, limit, dtype=torch.int64)
+    acc = torch.empty(N, limit, dtype=torch.float32)
+    ent = torch.empty(N, limit, dtype=torch.float32)
+    out = torch.empty(N, 4, dtype=torch.float32)
+    counts = torch.empty(N, dtype=torch.int64)
+    n = int(lib.hf_csv_top1(weight.data_ptr(), int(bf16), V, d, H.data_ptr(), upper.data_ptr(), seeds.data_ptr(), N,
                             abs_l1.data_ptr(), cst.data_ptr(), limit, logits.data_ptr(), mask.data_ptr(),
-                            toks.data_ptr(), acc.data_ptr(), ent.data_ptr(), out.data_ptr()))
+                            toks.data_ptr(), acc.data_ptr(), ent.data_ptr(), out.data_ptr(), counts.data_ptr()))
     if n < 0:
-        return n, None, None, None, None, None, None
-    return n, logits, mask, toks[:n], acc[:n], ent[:n], out
+        return n, None, None, None, None, None, None, None, None
+    if N == 1:
+        rows = torch.zeros(n, dtype=torch.int64)
+        return n, logits, mask, rows, toks[0, :n], acc[0, :n], ent[0, :n], out, counts
+    keep = torch.arange(limit)[None, :] < counts[:, None]
+    rows = torch.repeat_interleave(torch.arange(N), counts)
+    return n, logits, mask, rows, toks[keep], acc[keep], ent[keep], out, counts

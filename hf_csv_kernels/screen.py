@@ -436,13 +436,13 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
                                  terms, b, checked=True)
 
 
-def top1_cpu(weight: torch.Tensor, h: torch.Tensor, upper: torch.Tensor, seed: int, abs_l1: torch.Tensor,
+def top1_cpu(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torch.Tensor, abs_l1: torch.Tensor,
              cst: torch.Tensor, limit: int) -> Optional[tuple]:
-    """The one-row top-1 epilogue in hf_csv's native kernel (:func:`hf_csv_kernels.native.top1`), or None where that
-    kernel is not built (the caller's torch path serves)."""
+    """The top-1 epilogue in hf_csv's native kernel (:func:`hf_csv_kernels.native.top1`), or None where that kernel is
+    not built (the caller's torch path serves)."""
     if not _native.available():
         return None
-    return _native.top1(weight, h, upper, seed, abs_l1, cst, limit)
+    return _native.top1(weight, H, upper, seeds, abs_l1, cst, limit)
 
 
 # the native kernel's activation levels: 127·X rounded, X in [−1, 1]

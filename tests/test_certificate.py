@@ -299,6 +299,41 @@ def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d,
     assert same_s >= rows - 3  # the seed's dot product in another order can move the cut by an ulp
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_top1_on_several_rows_equals_its_rows_one_by_one(dtype, monkeypatch):
+    """A batched call gives each row what a one-row call gives (logits, S, bound, slack, accumulators in row order),
+    and one row the native call cannot finish sends the whole call to the torch path (stock's argmax on every row)."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(11)
+    W = (torch.randn(6000, 96, generator=g) * 0.05).to(dtype)
+    ch = CertifiedHead(W)
+    od = None if dtype == torch.float32 else dtype
+    H = (torch.randn(5, 96, generator=g) * 3).to(dtype)
+    seen = _counting_top1(monkeypatch)
+    many = ch.topk(H, 1, out_dtype=od, own_values=True)
+    assert seen["calls"] == 1 and seen["declined"] == 0 and many.stats.native == 5
+    rows, toks, acc = many.acc
+    at = 0
+    for r in range(5):
+        one = ch.topk(H[r:r + 1], 1, out_dtype=od, own_values=True)
+        assert torch.equal(many.logits[r], one.logits[0]) and torch.equal(many.mask[r], one.mask[0])
+        assert float(many.bound[r]) == float(one.bound[0]) and float(many.slack[r]) == float(one.slack[0])
+        n = one.acc[1].numel()
+        assert torch.equal(rows[at:at + n], torch.full((n,), r)) and torch.equal(toks[at:at + n], one.acc[1])
+        assert torch.equal(acc[at:at + n], one.acc[2])
+        at += n
+    assert at == toks.numel() and many.stats.subvocab_sizes == [int(m.sum()) for m in many.mask]
+    # a row over the budget (near-equal head rows make its S large): the torch path takes the call
+    W2 = W.float().clone()
+    W2[:3000] = W2[0] + torch.randn(3000, 96, generator=g) * 1e-5
+    ch2 = CertifiedHead(W2.to(dtype), budget=50)
+    H2 = torch.cat([H[:2], (W2[0:1] * 30).to(dtype)])
+    res = ch2.topk(H2, 1, out_dtype=od, own_values=True)
+    assert seen["calls"] == 7 and seen["declined"] == 1 and res.stats.native == 0  # (1 batched + 5 one-row calls before)
+    stock = torch.nn.functional.linear(H2, W2.to(dtype)).float()
+    assert torch.equal(res.logits.float().argmax(1), stock.argmax(1))
+
+
 def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_path(monkeypatch):
     _native_or_skip()
     g = torch.Generator().manual_seed(5)
@@ -322,8 +357,8 @@ def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_
 
 
 def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypatch):
-    """It runs for one row, k = 1, own_values=True, values in the head's dtype; never for the default call (values
-    from stock's op), several rows, k > 1, a bias, a bf16 head returning float32 values, fp16, or
+    """It runs for k = 1, own_values=True, values in the head's dtype (one row or several); never for the default
+    call (values from stock's op), k > 1, a bias, a bf16 head returning float32 values, fp16, or
     HF_CSV_KERNELS=reference."""
     _native_or_skip()
     g = torch.Generator().manual_seed(6)
@@ -332,7 +367,6 @@ def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypa
     seen = _counting_top1(monkeypatch)
     ch = CertifiedHead(W)
     ch.topk(h[:1], 1)
-    ch.topk(h, 1, own_values=True)
     ch.topk(h[:1], 2, own_values=True)
     CertifiedHead(W, torch.randn(2000, generator=g)).topk(h[:1], 1, own_values=True)
     CertifiedHead(W.bfloat16()).topk(h[:1].bfloat16(), 1, own_values=True)
@@ -343,7 +377,8 @@ def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypa
     assert seen["calls"] == 0
     monkeypatch.delenv("HF_CSV_KERNELS")
     ch.topk(h[:1], 1, own_values=True)
-    assert seen["calls"] == 1
+    ch.topk(h, 1, own_values=True)
+    assert seen["calls"] == 2
 
 
 def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_values(monkeypatch):

@@ -526,9 +526,9 @@ static void dot_abs(const void *wp, int bf16, const float *h, int64_t d, float *
     *absdot = a;
 }
 
-int64_t hf_csv_top1(const void *W, int bf16, int64_t V, int64_t d, const float *h, const float *U, int64_t seed,
-                    const float *abs_l1, const float *cst, int64_t limit, void *logits, uint8_t *mask,
-                    int64_t *toks, float *acc, float *ent, float *out) {
+static int64_t top1_row(const void *W, int bf16, int64_t V, int64_t d, const float *h, const float *U, int64_t seed,
+                        const float *abs_l1, const float *cst, int64_t limit, void *logits, uint8_t *mask,
+                        int64_t *toks, float *acc, float *ent, float *out) {
     const float gam = cst[0], und = cst[1], l1max = cst[2], bmax = cst[3], raise = cst[4], coef = cst[5],
                 und2 = cst[6];
     const size_t wsize = bf16 ? 2 : 4;
@@ -625,4 +625,24 @@ int64_t hf_csv_top1(const void *W, int bf16, int64_t V, int64_t d, const float *
     out[2] = slack;
     out[3] = (float)radius;
     return n;
+}
+
+/* N rows (a batched decode step): row r reads h + r d, U + r V and seeds[r], and writes its logits and mask rows at
+   r V, its candidates at toks / acc / ent + r limit, its (t, bound, slack, radius) at out + 4 r and its count at
+   counts[r]. Returns the total count, or the first failing row's negative code: the caller's torch path then takes
+   the whole call (its dense rows are stock's op over every row of the call). */
+int64_t hf_csv_top1(const void *W, int bf16, int64_t V, int64_t d, const float *h, const float *U,
+                    const int64_t *seeds, int64_t N, const float *abs_l1, const float *cst, int64_t limit,
+                    void *logits, uint8_t *mask, int64_t *toks, float *acc, float *ent, float *out, int64_t *counts) {
+    const size_t wsize = bf16 ? 2 : 4;
+    int64_t total = 0;
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t n = top1_row(W, bf16, V, d, h + r * d, U + r * V, seeds[r], abs_l1, cst, limit,
+                                   (char *)logits + (size_t)(r * V) * wsize, mask + r * V, toks + r * limit,
+                                   acc + r * limit, ent + r * limit, out + 4 * r);
+        if (n < 0) return n;
+        counts[r] = n;
+        total += n;
+    }
+    return total;
 }
