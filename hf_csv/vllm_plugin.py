@@ -2,8 +2,9 @@
 
 What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificates.md §2, §2.0, §2.3):
 
-* a **greedy** row (temperature 0) gets exact values on a sub-vocabulary S that provably holds stock's argmax
-  (``CertifiedHead.topk(k=1)``) and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token;
+* a **greedy** row (temperature 0) gets values on a sub-vocabulary S that provably holds stock's argmax
+  (``CertifiedHead.topk(k=1, own_values=True)``: values within their slack of vLLM's, the argmax proven within it)
+  and −inf elsewhere, so vLLM's greedy argmax (its first maximum) is stock's token;
 * a greedy row in a batch whose steps between the head and the sampler only lower entries (penalties that lower,
   allowed token ids, bad words, ``min_tokens``) gets the same, checked after vLLM's own steps run on the bounds of
   hf_csv's values (:func:`lowering_steps`, ``hf_csv.checks``);
