@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -115,18 +115,6 @@ def cuda_reason(weight) -> Optional[str]:
             "HF_CSV_SPEED_GUARD=0 runs it anyway")
 
 
-def _median(w) -> float:
-    """statistics.median of a short window, without its type checks (it runs on every certified head call)."""
-    s = sorted(w)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def _mean(w) -> float:
-    """statistics.fmean of a short window (math.fsum over the count, as fmean computes it)."""
-    return math.fsum(w) / len(w)
-
-
 class _Key:
     """One key's record: the two arms (``a`` wins a draw, ``b`` must beat it by the margin), their windows."""
 
@@ -173,7 +161,7 @@ class Controller:
         if stat not in ("median", "mean"):
             raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
         self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
-        self._stat = _median if stat == "median" else _mean
+        self._stat = statistics.median if stat == "median" else statistics.fmean
         self.warm = dict(warm or {"a": 3, "b": 3})
         self.probe_calls = dict(probe_calls or self.warm)
         if min(*self.warm.values(), *self.probe_calls.values()) < 1:
@@ -343,8 +331,7 @@ class ThreadTuner:
     @contextlib.contextmanager
     def __call__(self, key) -> Iterator[int]:
         """Run the block on the chosen thread count ``n`` (yielded), for a caller on ``T`` threads, which
-        :func:`caller_threads` inside it restores; both restored on exit, also after an exception. (One context
-        manager, not three nested ones: it wraps every certified head call.)"""
+        :func:`caller_threads` inside it restores; both restored on exit, also after an exception."""
         T = torch.get_num_threads()
         fixed = self._fixed()
         tuned = fixed is None and T > 1
@@ -356,13 +343,10 @@ class ThreadTuner:
         prev = getattr(_CALLER, "n", None)
         _CALLER.n = T
         t0 = time.perf_counter()
-        if n != T:
-            torch.set_num_threads(n)
         try:
-            yield n
+            with intra_op_threads(n):
+                yield n
         finally:
-            if n != T:
-                torch.set_num_threads(T)
             _CALLER.n = prev
         if tuned:
             self._record(key, n, T, time.perf_counter() - t0)

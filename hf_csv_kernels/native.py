@@ -485,11 +485,6 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return err_l2, l1, abs_l1
 
 
-# hf_csv_top1's return codes below 0: why the caller's torch path must take the row
-TOP1_WHY = {-1: "more candidates than the limit", -2: "argmax not decided within the slack", -3: "cut not finite",
-            -4: "seed out of range or a value not finite"}
-
-
 def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) -> torch.Tensor:
     """The float32 constants :func:`top1` takes, each rounded to nearest from the Python float as torch rounds a
     scalar operand of a float32 op: γ, the underflow term, max ||W_i||_1, max |b|, 1 + 1e-6, the slack coefficient
@@ -505,7 +500,7 @@ def top1(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torc
     screen's upper bounds ``upper`` [N, V] and its seeds (int64 [N]), returns ``(n, logits [N, V] in the head's dtype,
     mask [N, V] bool, rows [n], toks [n], acc [n], ent [n], out [N, 4] = (t, bound, slack, radius sum) per row,
     counts [N])`` with the candidates row by row, tokens ascending; or ``(code, None, ...)`` with a negative code
-    (:data:`TOP1_WHY`) where the torch path must take the call. ``cst``: :func:`top1_constants`. The guarantees are
+    (its meanings: the C source) where the torch path must take the call. ``cst``: :func:`top1_constants`. The guarantees are
     the torch path's (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes (contiguous CPU
     tensors)."""
     lib = _lib_or_raise()

@@ -586,10 +586,10 @@ static int64_t top1_row(const void *W, int bf16, int64_t V, int64_t d, const flo
         dot_abs((const char *)W + (size_t)(toks[m] * d) * wsize, bf16, h, d, &acc[m], &a);
         float e = coef * a;
         e = e + und2;
-        if (!isfinite(acc[m]) || !isfinite(e) || !isfinite(vround(acc[m], bf16))) return -4;
+        const float v = vround(acc[m], bf16);
+        if (!isfinite(acc[m]) || !isfinite(e) || !isfinite(v)) return -4;
         ent[m] = e;
         if (e > slack) slack = e;
-        const float v = vround(acc[m], bf16);
         if (v > top) top = v;
     }
     /* _sparse_undecided: w, the first token of the largest value, is stock's argmax when lo_w > hi_j for every j before
