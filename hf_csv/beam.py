@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from .errors import CSVError
-from .head import CSVSession, active_session
+from .head import CSVSession
 from .plan import ExactBeam, Full
 from .patches import instance_override
+from .step import active_session
 
 __all__ = ["BeamUncertified", "beam_decisions"]
 

@@ -35,11 +35,12 @@ from ._compat import SUPPORTED, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, active_session, find_head
+from .head import CSVSession, find_head
 from .plan import Bounded
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
 from .scope import certified, new_session
+from .step import active_session
 
 __all__ = ["patched_candidate_generator", "apply_main_assistant_settings", "user_assistant_settings",
            "truncated_assistant", "quantized_assistant"]

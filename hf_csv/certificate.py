@@ -196,9 +196,12 @@ class CertifiedHead:
         self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
         # the one-row top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads
         # without a bias
+        serves = (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu" and bias is None
+                  and self.weight.is_contiguous())
+        # resolved once: the kernel's entry (None where it is not built or HF_CSV_KERNELS=reference at build time)
+        self._top1 = get_op("top1", weight.device, optional=True) if serves else None
         self._top1_cst = (top1_constants(self._gam, self._underflow, self._l1_max, self._b_max)
-                          if weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
-                          and bias is None and self.weight.is_contiguous() else None)
+                          if self._top1 is not None else None)
 
     # ------------------------------------------------- the value assumption
     def subset_exact(self) -> bool:
@@ -235,6 +238,8 @@ class CertifiedHead:
         (the screen's first packing of a large head). Calibrates on ``H`` if needed. Callers that must
         not wait use the full head meanwhile; calling a method anyway is correct, it just waits."""
         p = self.provider
+        if getattr(p, "steady", None) is not None:  # settled: nothing left to build or wait for
+            return True
         if hasattr(p, "warm"):
             p.warm(H.reshape(-1, self.hidden_size))
         return bool(p.ready()) if hasattr(p, "ready") else True
@@ -255,6 +260,18 @@ class CertifiedHead:
         caller timing certified calls against the full head (a speed guard) ignores calls before it."""
         p = self.provider
         return bool(p.settled()) if hasattr(p, "settled") else True
+
+    def _screen(self, Hf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(est, U, top) of the provider on float32 rows: est and upper bounds [N, V], each row's top estimate where
+        the provider finds it in the same pass (else None). A settled screen is one kernel call
+        (:attr:`hf_csv.bounds.ScreenProvider.steady`)."""
+        p = self.provider
+        steady = getattr(p, "steady", None)
+        call = None if steady is None else steady.call  # (read once: a background swap may replace it)
+        if call is not None:
+            return call(Hf.contiguous())
+        screen = getattr(p, "screen", None)
+        return screen(Hf) if screen is not None else (*p(Hf), None)
 
     def full(self, H: torch.Tensor) -> torch.Tensor:
         """The full head in fp32 arithmetic (the real-valued reference of the bounds' tests)."""
@@ -538,9 +555,8 @@ class CertifiedHead:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
-        screen = getattr(self.provider, "screen", None)
-        est, U, top = screen(Hf) if screen is not None else (*self.provider(Hf), None)
-        if (own_values and k == 1 and top is not None and self._top1_cst is not None and not always
+        est, U, top = self._screen(Hf)
+        if (own_values and k == 1 and top is not None and self._top1 is not None and not always
                 and not with_upper and k_min is None and subset is None and d == self.weight.dtype
                 and Hf.device.type == "cpu"):
             res = self._top1_native(Hf, est, U, top, stats)
@@ -584,14 +600,13 @@ class CertifiedHead:
     def _top1_native(self, Hf: torch.Tensor, est: torch.Tensor, U: torch.Tensor, top: torch.Tensor,
                      stats: CertStats) -> Optional[CertResult]:
         """:meth:`_topk`'s result for k = 1 from the dispatch op ``top1`` (the native kernel's
-        :func:`hf_csv_kernels.native.top1`: per row the same seed, lower bound, cut, S, slack and argmax check,
-        docs/certificates.md §2.1, §2.0); None where that call leaves the call to the torch path (a row with more
-        candidates than the budget or the dense cut-off, an argmax the slack leaves open, a value that is not finite,
-        no native kernel)."""
-        op = get_op("top1", Hf.device, optional=True)
-        got = None if op is None else op(self.weight, Hf.contiguous(), U.contiguous(), top.contiguous(),
-                                         self._abs_l1, self._top1_cst, min(self.budget, self._dense_cutoff))
-        if got is None or got[0] < 0:
+        :func:`hf_csv_kernels.native.top1`, resolved when the head was built: per row the same seed, lower bound, cut,
+        S, slack and argmax check, docs/certificates.md §2.1, §2.0); None where that call leaves the call to the torch
+        path (a row with more candidates than the budget or the dense cut-off, an argmax the slack leaves open, a
+        value that is not finite)."""
+        got = self._top1(self.weight, Hf.contiguous(), U.contiguous(), top.contiguous(), self._abs_l1,
+                         self._top1_cst, min(self.budget, self._dense_cutoff))
+        if got[0] < 0:
             return None
         n, logits, mask, rows, toks, acc, ent, out, counts = got
         N = Hf.shape[0]
@@ -644,7 +659,7 @@ class CertifiedHead:
         d = out_dtype or torch.float32
         N = Hf.shape[0]
         stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(Hf)
+        est, U, _ = self._screen(Hf)
         seeds = est.argmax(1)
         lo = self._stock_lower(seeds, torch.arange(N, device=Hf.device), Hf)
         t, bound = _cut(_down(lo - delta - rel * lo.abs(), 3), self.stock_error(Hf), d)
@@ -689,7 +704,7 @@ class CertifiedHead:
         d = out_dtype or torch.float32
         N, T = Hf.shape[0], float(temperature)
         stats = CertStats(vocab_size=self.vocab_size)
-        est, U = self.provider(Hf)
+        est, U, _ = self._screen(Hf)
         seeds = est.argmax(1)
         rows = torch.arange(N, device=Hf.device)
         val, err = self.exact(seeds, rows, Hf)
@@ -837,7 +852,7 @@ class CertifiedHead:
                 res.conf = torch.softmax(law, 1)[r, res.tokens]
             return res
         stats = CertStats(vocab_size=V)
-        est, U = self.provider(Hf)
+        est, U, _ = self._screen(Hf)
         g = noise if noise is not None else gumbel_noise(U.shape, Hf.device, generator)
         heur = est
         for kind, v in warps:

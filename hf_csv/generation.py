@@ -13,7 +13,7 @@ Use::
 Whisper's override); ``uninstall()`` restores them.
 
 During a certified call narrow, scoped, restoring patches are active for that model only
-(:mod:`hf_csv.scope`, docs/processors.md): the output head is swapped for :class:`hf_csv.head.CSVHead`;
+(:mod:`hf_csv.scope`, docs/processors.md): the output head is swapped for :class:`hf_csv.step.CSVHead`;
 instance-level ``_get_logits_processor`` / ``_get_stopping_criteria`` inspect what generate built,
 pick the certificate (:func:`hf_csv.policy.decide_mode`) and append a :class:`CSVLogitsProcessor`
 when needed. Modules import one way: generation -> candidate -> scope -> policy/processors -> head.

@@ -1,23 +1,23 @@
-"""The head swap: a module that stands in for ``lm_head`` / ``proj_out`` during one ``generate`` call.
+"""The certified call's session, the head swap and the per-weight cache.
 
 Guarantee: while a :class:`CSVSession` is active *in the calling context* for a model, the
-model's output head returns dense logits that are exact (fp32 accumulation of the head's own
-weights, cast to the model dtype) on a certified sub-vocabulary S and ``-inf`` outside it,
-where S is certified for the decoding method in play (docs/processors.md). In every other
+model's output head (swapped for :class:`hf_csv.step.CSVHead`) returns dense logits that are exact (fp32
+accumulation of the head's own weights, cast to the model dtype) on a certified sub-vocabulary S and ``-inf``
+outside it, where S is certified for the decoding method in play (docs/processors.md). In every other
 context — other threads, other calls, no session — the wrapper calls the original module, so
 its output is bitwise the stock output.
 
 * The swap is scoped: :func:`swapped_head` installs the wrapper on entry and puts the original
   module back on exit, also when ``generate`` raises. Concurrent calls on one model are
-  reference-counted under a lock, and the session lives in a :mod:`contextvars` variable, so a
-  stock ``generate`` running in another thread at the same time is not affected.
+  reference-counted under a lock, and the session lives in a :mod:`contextvars` variable
+  (:func:`hf_csv.step.active_session`), so a stock ``generate`` running in another thread at the same time is not
+  affected.
 * :class:`CertifiedHead` objects (whose int8 screen is the expensive part to build) are cached
   per head module and per config key, so quantization happens once per model.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import threading
 import weakref
@@ -31,17 +31,13 @@ from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .plan import FULL, Full, Plan
-from .posthead import PostHead, check_output
-from .step import StepState, head_step
+from .posthead import PostHead
+from .step import _ACTIVE, CSVHead, StepState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CSVSession", "CSVHead", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head",
-           "active_session"]
+__all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head"]
 
-# model id -> session, per context (thread / task). A dict so that an assistant model and the
-# main model can both be certified inside one call.
-_ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv_active", default=None)
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
 _HEADS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -183,11 +179,6 @@ def _tlog():
     from transformers.utils import logging as tlogging
 
     return tlogging.get_logger("hf_csv")
-
-
-def active_session(model: nn.Module) -> Optional[CSVSession]:
-    act = _ACTIVE.get()
-    return None if act is None else act.get(id(model))
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -340,55 +331,6 @@ def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
     if config.provider != "screen":
         _tlog().info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
     return VocabParallelHead(rows, ids, V, bias_rows=bias, budget=config.budget, num_outliers=config.num_outliers)
-
-
-class CSVHead(nn.Module):
-    """Stands in for the output head; certified only for the session of the calling context."""
-
-    def __init__(self, inner: nn.Linear, model: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self._model_id = id(model)
-        # the head traced into a compiled forward (set by hf_csv.scope's _valid_auto_compile_criteria override through
-        # set_static_plan): a StaticTopK, or None for stock's
-        self.static_plan = None
-
-    # keep attribute access that code may do on the head working (weight/bias/in_features...)
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    @property
-    def bias(self) -> Optional[torch.Tensor]:
-        return self.inner.bias
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # traced into a compiled forward: no per-call Python state can be read here (a graph replays
-            # without it); the plan set for this model's compiled decode, or stock's head
-            plan = self.static_plan
-            return self.inner(hidden) if plan is None else plan(hidden)
-        act = _ACTIVE.get()
-        sess = None if act is None else act.get(self._model_id)
-        if sess is None:
-            return self.inner(hidden)
-        if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched
-            sess.reports["processor_forwards"] = sess.reports.get("processor_forwards", 0) + 1
-            return self.inner(hidden)
-        return head_step(sess, self.inner, hidden)
-
-
-def guard_post_head(sess: CSVSession, model_logits: Optional[torch.Tensor]) -> None:
-    """Run-time guard (once per call): the model returned ``post(head output)`` as registered in
-    :mod:`hf_csv.posthead`. A model whose code does something else raises instead of decoding on."""
-    out = sess.step.last_out
-    if sess.post_checked or out is None or model_logits is None or sess.post is None:
-        return
-    sess.post_checked = True
-    if not check_output(sess.post, out, model_logits):
-        raise CSVError(f"hf_csv: {type(sess.model).__name__} returned logits that are not "
-                       f"{sess.post.describe()!r} of its head's output; its post-head transform is not the one "
-                       "hf_csv proved. Please report this; generate without csv_config meanwhile.")
 
 
 @contextlib.contextmanager

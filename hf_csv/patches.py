@@ -6,7 +6,7 @@ replaced, which hf_csv module builds the replacement, and when it is installed. 
 being listed here. Each is scoped to one model and one certified call: an instance attribute that shadows the
 class's method, reference-counted per (model, name) so nested and concurrent calls share one installation, removed
 by the last exit, also after an exception. The overrides consult the calling context
-(:func:`hf_csv.head.active_session`), so a stock call on the same model in another thread is unaffected.
+(:func:`hf_csv.step.active_session`), so a stock call on the same model in another thread is unaffected.
 
 Which transformers versions each point was checked against is :mod:`hf_csv._compat`'s business (the one place that
 knows the versions). No transformers code is copied: every wrapper calls the original.
@@ -38,13 +38,13 @@ class TouchPoint:
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("generate (instance attribute) / GenerationMixin.generate and Whisper's (install())", "enable",
                "generation", "hf_csv.enable(model) / hf_csv.install(), until disable / uninstall"),
-    TouchPoint("the output head module (lm_head / proj_out) -> head.CSVHead", "module", "head",
-               "every certified call"),
+    TouchPoint("the output head module (lm_head / proj_out) -> step.CSVHead", "module", "step",
+               "every certified call (swapped by hf_csv.head.swapped_head)"),
     TouchPoint("_get_logits_processor", "instance", "scope", "every certified call"),
     TouchPoint("_get_stopping_criteria", "instance", "scope", "every certified call"),
     TouchPoint("_valid_auto_compile_criteria", "instance", "scope",
                "every certified call (acts only when transformers compiles)"),
-    TouchPoint("forward pre- and post-hooks on the model", "hooks", "scope", "every certified call"),
+    TouchPoint("forward pre- and post-hooks on the model", "hooks", "step", "every certified call (installed by hf_csv.scope)"),
     TouchPoint("_get_top_k_continuations", "instance", "beam", "CSVConfig(beam_search='exact') beam calls"),
     TouchPoint("_get_running_beams_for_next_iteration", "instance", "beam", "CSVConfig(beam_search='exact') beam calls"),
     TouchPoint("_update_finished_beams", "instance", "beam", "CSVConfig(beam_search='exact') beam calls"),

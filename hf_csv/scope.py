@@ -23,14 +23,14 @@ from torch import nn
 
 from .certificate import CertStats
 from .config import CSVConfig
-from .head import (CSVSession, active_session, find_head, guard_post_head, head_entry, model_out_dtype,
-                   set_static_plan, swapped_head)
+from .head import CSVSession, find_head, head_entry, model_out_dtype, set_static_plan, swapped_head
 from .patches import instance_override, shared
 from .plan import Full
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
 from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
 from .speed import cuda_reason
+from .step import active_session, check_post, track_length
 
 __all__ = ["certified", "new_session"]
 
@@ -67,8 +67,8 @@ def _hooks(model: nn.Module):
     """One pre/post forward hook pair per model while any session is active on it."""
 
     def install() -> Callable[[], None]:
-        handles = (model.register_forward_pre_hook(_track_length, with_kwargs=True),
-                   model.register_forward_hook(_check_post))
+        handles = (model.register_forward_pre_hook(track_length, with_kwargs=True),
+                   model.register_forward_hook(check_post))
         return lambda: [h.remove() for h in handles]
 
     return shared(_HOOKS, id(model), install)
@@ -218,43 +218,3 @@ def _patched_get_stopping_criteria(model: nn.Module, orig: Callable) -> Callable
         return criteria
 
     return _get_stopping_criteria
-
-
-def _track_length(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: how many tokens the model has consumed once this forward is done (cache + new).
-
-    The head call then knows the token index of each of its positions (StepStash.position), which
-    CSVLogitsProcessor needs when one call produces several positions (assisted verification).
-    """
-    if torch.compiler.is_compiling():  # traced into a compiled forward: the static head keeps no stash
-        return None
-    sess = active_session(module)
-    if sess is None or sess.exact_depth:
-        return None
-    ids = kwargs.get("decoder_input_ids")
-    if ids is None:
-        ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
-    if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
-        sess.step.fed_total = None
-        return None
-    pkv = kwargs.get("past_key_values")
-    try:
-        past = int(pkv.get_seq_length()) if pkv is not None else 0
-    except (AttributeError, TypeError):
-        sess.step.fed_total = None
-        return None
-    sess.step.fed_total = past + int(ids.shape[-1])
-    return None
-
-
-def _check_post(module: nn.Module, args: tuple, output: Any):
-    """Forward hook: the post-head guard on the model's returned logits (once per call)."""
-    if torch.compiler.is_compiling():  # (the eager prefill of the same call runs the guard)
-        return None
-    sess = active_session(module)
-    if sess is not None and not sess.exact_depth and not sess.post_checked and sess.step.last_out is not None:
-        logits = getattr(output, "logits", None)
-        if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
-            logits = output[0]
-        guard_post_head(sess, logits)
-    return None

@@ -1,31 +1,41 @@
 """One decode step of a certified call, in order (the only place the step's flow lives):
 
-1. **Head step** (:func:`head_step`, called by the swapped head :class:`hf_csv.head.CSVHead`): stock's head where
-   the call's plan is :class:`~hf_csv.plan.Full`, the rows' token indices are unknown, a round has no drafts, the
-   screen is still being packed or the speed guard measured stock's head faster; else the plan's head call
-   (:meth:`hf_csv.plan.Plan.head`) on the certified head, and a :class:`StepStash` of what the check needs.
-2. **Check step** (:func:`check_step`, called by :class:`hf_csv.processors.CSVLogitsProcessor` at its place in the
+0. **Before the forward** (:func:`track_length`, a forward pre-hook on the model): how many tokens the model will
+   have consumed, so that a head call of several positions knows each one's token index.
+1. **Head step** (:func:`head_step`, called by the swapped head :class:`CSVHead`, which transformers calls in the
+   model's forward): stock's head where the call's plan is :class:`~hf_csv.plan.Full`, the rows' token indices are
+   unknown, a round has no drafts, the screen is still being packed or the speed guard measured stock's head
+   faster; else the plan's head call (:meth:`hf_csv.plan.Plan.head`) on the certified head, and a
+   :class:`StepStash` of what the check needs.
+2. **After the forward** (:func:`check_post`, a forward hook, once per call): the model returned the registered
+   post-head map of what the head returned (:func:`guard_post_head`).
+3. **Check step** (:func:`check_step`, called by :class:`hf_csv.processors.CSVLogitsProcessor` at its place in the
    processor list, :meth:`~hf_csv.plan.Plan.placement`): nothing on a step the head left to stock or a compiled
    graph certified; else the plan's check (:meth:`hf_csv.plan.Plan.check`), which proves each row's outcome stock's
    or recomputes the row with stock's head.
-3. transformers picks the token (argmax or its sampler) from a row that is provably stock's.
+4. transformers picks the token (argmax or its sampler) from a row that is provably stock's.
 
-Per-step state is the call's (:class:`hf_csv.head.CSVSession`: ``last``, ``fed_total``, ``guard_pending``); the
-plan is a frozen value. Core: no transformers import.
+Which session a call runs is read from the calling context (:func:`active_session`; hf_csv.head.swapped_head sets
+it for the call's extent), so a stock call on the same model in another thread runs stock's head. Per-step state is
+the call's (:class:`hf_csv.head.CSVSession`: ``step``); the plan is a frozen value. Core: no transformers import.
 """
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from .errors import CSVError
 from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
+from .posthead import check_output
 from .speed import rows_bucket
 
-__all__ = ["StepStash", "StepState", "head_step", "check_step", "guard_key", "flush_guard"]
+__all__ = ["CSVHead", "StepStash", "StepState", "active_session", "check_post", "check_step", "flush_guard",
+           "guard_key", "guard_post_head", "head_step", "track_length"]
 
 
 @dataclass
@@ -82,6 +92,107 @@ class StepState:
     guard_last: Optional[tuple] = None  # (guard, key) of the last completed record: the call's summary reports it
     spec_pending: bool = False  # Bounded plan: a head call's bounds wait for hf_csv's verify
     spec_full_next: bool = False  # Bounded plan: the next head call is read by stock's sampler itself (no drafts)
+
+
+# ------------------------------------------------------------------ the step's entries from transformers
+# model id -> session, per context (thread / task). A dict so that an assistant model and the main model can both be
+# certified inside one call. Set by hf_csv.head.swapped_head for the call's extent.
+_ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv_active", default=None)
+
+
+def active_session(model: nn.Module) -> Any:
+    """The :class:`hf_csv.head.CSVSession` active for ``model`` in the calling context (thread / task), or None."""
+    act = _ACTIVE.get()
+    return None if act is None else act.get(id(model))
+
+
+class CSVHead(nn.Module):
+    """Stands in for the output head; certified only for the session of the calling context."""
+
+    def __init__(self, inner: nn.Linear, model: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self._model_id = id(model)
+        # the head traced into a compiled forward (set by hf_csv.scope's _valid_auto_compile_criteria override through
+        # set_static_plan): a StaticTopK, or None for stock's
+        self.static_plan = None
+
+    # keep attribute access that code may do on the head working (weight/bias/in_features...)
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.inner.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # traced into a compiled forward: no per-call Python state can be read here (a graph replays
+            # without it); the plan set for this model's compiled decode, or stock's head
+            plan = self.static_plan
+            return self.inner(hidden) if plan is None else plan(hidden)
+        act = _ACTIVE.get()
+        sess = None if act is None else act.get(self._model_id)
+        if sess is None:
+            return self.inner(hidden)
+        if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched
+            sess.reports["processor_forwards"] = sess.reports.get("processor_forwards", 0) + 1
+            return self.inner(hidden)
+        return head_step(sess, self.inner, hidden)
+
+
+def track_length(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: how many tokens the model has consumed once this forward is done (cache + new).
+
+    The head call then knows the token index of each of its positions (StepStash.position), which
+    CSVLogitsProcessor needs when one call produces several positions (assisted verification).
+    """
+    if torch.compiler.is_compiling():  # traced into a compiled forward: the static head keeps no stash
+        return None
+    sess = active_session(module)
+    if sess is None or sess.exact_depth:
+        return None
+    ids = kwargs.get("decoder_input_ids")
+    if ids is None:
+        ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+    if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
+        sess.step.fed_total = None
+        return None
+    pkv = kwargs.get("past_key_values")
+    try:
+        past = int(pkv.get_seq_length()) if pkv is not None else 0
+    except (AttributeError, TypeError):
+        sess.step.fed_total = None
+        return None
+    sess.step.fed_total = past + int(ids.shape[-1])
+    return None
+
+
+def check_post(module: nn.Module, args: tuple, output: Any):
+    """Forward hook: the post-head guard on the model's returned logits (once per call)."""
+    if torch.compiler.is_compiling():  # (the eager prefill of the same call runs the guard)
+        return None
+    sess = active_session(module)
+    if sess is not None and not sess.exact_depth and not sess.post_checked and sess.step.last_out is not None:
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+            logits = output[0]
+        guard_post_head(sess, logits)
+    return None
+
+
+def guard_post_head(sess: Any, model_logits: Optional[torch.Tensor]) -> None:
+    """Run-time guard (once per call): the model returned ``post(head output)`` as registered in
+    :mod:`hf_csv.posthead`. A model whose code does something else raises instead of decoding on."""
+    out = sess.step.last_out
+    if sess.post_checked or out is None or model_logits is None or sess.post is None:
+        return
+    sess.post_checked = True
+    if not check_output(sess.post, out, model_logits):
+        raise CSVError(f"hf_csv: {type(sess.model).__name__} returned logits that are not "
+                       f"{sess.post.describe()!r} of its head's output; its post-head transform is not the one "
+                       "hf_csv proved. Please report this; generate without csv_config meanwhile.")
 
 
 def _full(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:

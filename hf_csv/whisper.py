@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import CSVError
-from .head import CSVSession, active_session
+from .head import CSVSession
 from .checks import avg_logprob_interval
 from .processors import stock_processed
 from .patches import instance_override
+from .step import active_session
 
 __all__ = ["threshold_of", "whisper_decisions"]
 

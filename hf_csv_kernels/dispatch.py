@@ -2,11 +2,14 @@
 
 Backends:
 * ``triton``    – CUDA tensors with triton importable (``hf_csv_kernels.triton_ops``);
-* ``cpu``       – the fast CPU path (fbgemm int8 screen) where one exists;
+* ``cpu``       – the fast CPU path (fbgemm int8 screen, hf_csv's native kernel's wrappers) where one exists;
+* ``native``    – on CPU, hf_csv's own C kernel (:mod:`hf_csv_kernels.native`) called directly, preferred to
+  ``cpu`` where it is built (an op only the native kernel has: none where it is not);
 * ``reference`` – plain torch, every op, every device.
 
 ``HF_CSV_KERNELS=reference`` (or ``cpu`` / ``triton``) forces a backend; an op without
-that backend falls back to its reference.
+that backend falls back to its reference. Callers resolve an op once (per head) and keep the function: the choice
+follows the environment and the kernel's build at that moment.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import cluster, gather, residual, screen
+from . import cluster, gather, native, residual, screen
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +30,8 @@ _REGISTRY: dict[str, dict[str, Callable]] = {
     "screen_int8": {"reference": screen.screen_int8_reference, "cpu": screen.screen_int8_cpu},
     # optional, no reference: est, upper and each row's top estimate in one pass, or None where it does not serve
     "screen_bounds": {"cpu": screen.screen_bounds_cpu},
-    # optional, no reference (hf_csv.certificate's torch path is): the one-row top-1 epilogue, or None
-    "top1": {"cpu": screen.top1_cpu},
+    # optional, no reference (hf_csv.certificate's torch path is): the top-1 epilogue, or None
+    "top1": {"native": native.top1},
     "gather_gemv": {"reference": gather.gather_gemv_reference},
     "cluster_upper": {"reference": cluster.cluster_upper_reference},
     "segmented_gemv": {"reference": cluster.segmented_gemv_reference},
@@ -79,7 +82,9 @@ def get_op(op: str, device: torch.device | str, optional: bool = False) -> Optio
     impls = _REGISTRY.get(op)
     if impls is None:
         raise KeyError(f"unknown op {op!r}; known: {sorted(_REGISTRY)}")
-    impl = impls.get(backend_for(device), impls.get("reference"))
+    backend = backend_for(device)
+    impl = impls.get("native") if backend == "cpu" and "native" in impls and native.available() else None
+    impl = impl or impls.get(backend, impls.get("reference"))
     if impl is None and not optional:
         raise KeyError(f"op {op!r} has no implementation for {torch.device(device)} and no reference")
     return impl

@@ -10,12 +10,13 @@ The bias is *not* included; callers add it (and its rounding margin).
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,6 +62,10 @@ class ScreenState:
     _cache: dict = field(default_factory=dict)
     # set once ``packed`` is final for the first time (at once, unless packing runs in the background)
     ready: threading.Event = field(default_factory=threading.Event)
+    # the native fused pass without a bias, bound to the current codes and outlier set: ``call(H)`` is
+    # :func:`screen_bounds_cpu(state, H) <screen_bounds_cpu>` for a contiguous float32 ``H`` (the same kernel call,
+    # argument for argument); rebuilt by every swap of either, None where that pass does not serve
+    call: Optional[Callable] = None
 
     def swap_outliers(self, new: "Outliers", expected: Optional["Outliers"] = None) -> bool:
         """Swap in another outlier set as one object (readers take ``outliers`` once per call); with ``expected``,
@@ -69,7 +74,22 @@ class ScreenState:
             if expected is not None and self.outliers is not expected:
                 return False
             self.outliers = new
+            self._publish()
             return True
+
+    def set_native(self, lay: Optional[tuple]) -> None:
+        """Swap in the native kernel's codes (``(codes, interleaved?)``) as one object."""
+        with self._swap:
+            self.native = lay
+            self._publish()
+
+    def _publish(self) -> None:
+        """(Under ``_swap``.) :attr:`call` for the current codes and outlier set."""
+        lay = self.native
+        args = None if lay is None else _bounds_args(self, self.outliers, None)
+        self.call = None if args is None else functools.partial(
+            _native.screen_bounds, lay[0], self.rows.scale, lay[1], cols=self.outliers.cols, wJ=self.outliers.w8,
+            rest_norm=args[0], K=args[1], terms=args[2], bias=None, checked=True)
 
     @property
     def outlier_cols(self) -> torch.Tensor:
@@ -211,7 +231,7 @@ def _interleave(state: "ScreenState") -> None:
     try:
         qi, mn = _native.interleave(state.rows.q)
         if mn >= -127:
-            state.native = (qi, True)
+            state.set_native((qi, True))
     except Exception:  # keep the row-major codes: correct, a little slower
         pass
 
@@ -264,7 +284,7 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
     if pack_cpu and native is not False and _use_native(rows):
         # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
         # background
-        state.native = (rows.q, False)
+        state.set_native((rows.q, False))
         state.ready.set()
         if eager:
             finish_now(state)
@@ -411,18 +431,29 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     lay = state.native  # read once: the background thread swaps in the interleaved copy
     if lay is None:
         return None
-    rows = state.rows
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
+    args = _bounds_args(state, out, bias)
+    if args is None:
+        return None
+    exact, K, terms, b = args
+    return _native.screen_bounds(lay[0], state.rows.scale, lay[1], H.float().contiguous(), out.cols, out.w8, exact, K,
+                                 terms, b, checked=True)
+
+
+def _bounds_args(state: ScreenState, out: Outliers, bias: Optional[torch.Tensor]) -> Optional[tuple]:
+    """(rest_norm, K, terms, bias as float32) of :func:`screen_bounds_cpu` for the outlier set ``out``, checked and
+    computed once per set and bias (the state's tensors do not change); None where the native pass cannot read ``out``."""
     if out.w8 is None:
         return None
-    exact = out.err_rest is not None
-    terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
-    b = None if bias is None else bias.float().contiguous()
     # keyed by the caller's bias object, not by b: a bias of another dtype gives a fresh copy every call
     key = ("bounds_checked", id(out), id(bias))
     got = state._cache.get(key)
-    if got is None:  # once per outlier set and bias: the state's tensors do not change
-        _native.check_bounds_inputs(lay[0], rows.scale, out.cols, out.w8, terms, b)
+    if got is None:  # once per outlier set and bias
+        rows = state.rows
+        exact = out.err_rest is not None
+        terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
+        b = None if bias is None else bias.float().contiguous()
+        _native.check_bounds_inputs(state.native[0], rows.scale, out.cols, out.w8, terms, b)
         u = unit_roundoff()
         g = gamma(out.cols.numel() + 2)
         # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} +
@@ -430,19 +461,9 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
         # with exact outlier columns; 2u for |b_i|
         K = (1 + 4 * u, 0.5 * (1 + _ACT_SLACK) / _native_levels, 64 * u + g + 4 * u, (g + 4 * u) if exact else 0.0,
              2 * u)
-        got = state._cache[key] = (out, bias, K)  # holds both, so their ids are not reused while the entry lives
-    K = got[2]
-    return _native.screen_bounds(lay[0], rows.scale, lay[1], H.float().contiguous(), out.cols, out.w8, exact, K,
-                                 terms, b, checked=True)
-
-
-def top1_cpu(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torch.Tensor, abs_l1: torch.Tensor,
-             cst: torch.Tensor, limit: int) -> Optional[tuple]:
-    """The top-1 epilogue in hf_csv's native kernel (:func:`hf_csv_kernels.native.top1`), or None where that kernel is
-    not built (the caller's torch path serves)."""
-    if not _native.available():
-        return None
-    return _native.top1(weight, H, upper, seeds, abs_l1, cst, limit)
+        # holds out and bias, so their ids are not reused while the entry lives
+        got = state._cache[key] = (out, bias, (exact, K, terms, b))
+    return got[2]
 
 
 # the native kernel's activation levels: 127·X rounded, X in [−1, 1]

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import hf_csv
-from hf_csv.head import CSVHead
+from hf_csv.step import CSVHead
 
 try:
     from _load import cpu_load, machine_load

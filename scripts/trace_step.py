@@ -57,14 +57,18 @@ def _caller(frame) -> str | None:
     return None
 
 
-def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens: int = 6) -> dict:
-    """Trace decode step ``step`` (0 is the prefill) of a certified greedy call; returns the report."""
+def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens: int = 6,
+          warm_tokens: int = 16) -> dict:
+    """Trace decode step ``step`` (0 is the prefill) of a certified greedy call after a first call of ``warm_tokens``
+    new tokens (0: trace the first call); returns the report. A head's first rows choose its screen's outlier columns
+    (8 rows, :class:`hf_csv.bounds.ScreenProvider`), a one-off per head; the steps after it take the settled path."""
     model = hf_csv.enable(tiny_llama(scale=20.0))  # spread logits so the certificate prunes
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, csv_config=CSVConfig())
     if repetition_penalty is not None:
         kw["repetition_penalty"] = repetition_penalty
-    model.generate(ids, **kw)  # warm: the screen is built on the first call
+    if warm_tokens:
+        model.generate(ids, **{**kw, "max_new_tokens": warm_tokens})  # the screen is built and settles
 
     steps: list[list[tuple]] = [[]]
     forwards = [0]
@@ -111,6 +115,7 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
         "tokens": out.sequences.shape[-1] - ids.shape[-1],
         "certified": stats.get("summary"),
         "repetition_penalty": repetition_penalty,
+        "warm_tokens": warm_tokens,
         "modules": mods,
         "n_modules": len(mods),
         "entries": [(b, f) for a, b, f, _ in ev if a is None],
@@ -135,10 +140,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--step", type=int, default=3, help="decode step to report (0 is the prefill)")
     ap.add_argument("--repetition-penalty", type=float, default=None)
+    ap.add_argument("--warm-tokens", type=int, default=16,
+                    help="new tokens of a first call before the traced one (0: trace a first call)")
     ap.add_argument("--show", action="store_true", help="print every hop")
     ap.add_argument("--json", default=None, help="write the report here")
     a = ap.parse_args()
-    r = trace(a.step, a.repetition_penalty)
+    r = trace(a.step, a.repetition_penalty, warm_tokens=a.warm_tokens)
     print(f"step {r['step']}: {r['n_modules']} modules, {r['n_hops']} hops, {len(r['call_backs'])} call-backs "
           f"({r['certified']})")
     print("modules:", ", ".join(r["modules"]))

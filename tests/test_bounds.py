@@ -147,6 +147,44 @@ def test_fused_screen_checks_a_bias_of_another_dtype_once():
     assert bool((up.double() >= real).all()) and bool((est.double() - rad <= real).all())
 
 
+
+def test_a_settled_screen_is_one_kernel_call_equal_to_the_fused_pass():
+    """Once the provider's first-call work is over (packed, the columns re-chosen from the first rows), its
+    ``steady`` state's ``call`` is what :func:`screen_bounds_cpu` computes, bit for bit, also after the outlier set or
+    the codes' layout is swapped; the certified head then calls it alone; a bias or ``calibrate`` keep or send the
+    provider back to :meth:`screen`."""
+    from hf_csv.certificate import CertifiedHead
+    from hf_csv_kernels import native
+    from hf_csv_kernels.screen import make_outliers, screen_bounds_cpu
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(3000, 48, generator=g) * 0.05
+    H = torch.randn(12, 48, generator=g) * 3
+    ch = CertifiedHead(W, num_outliers=4)
+    prov = ch.provider
+    for r in range(8):  # 8 rows choose the columns again (in this call's thread: no background build)
+        assert prov.steady is None
+        ch.topk(H[r:r + 1], own_values=True)
+    st = prov.steady
+    assert st is prov.state and st.call is not None
+    for Hs in (H[10:11], H):
+        assert all(torch.equal(a, b) for a, b in zip(st.call(Hs.contiguous()), screen_bounds_cpu(st, Hs)))
+    calls = []
+    monkey = st.call
+    st.call = lambda h: calls.append(1) or monkey(h)
+    res = ch.topk(H[11:12], own_values=True)
+    assert calls == [1] and torch.equal(res.logits.argmax(1), (H[11:12] @ W.T).argmax(1))
+    # a swapped outlier set: the call follows it
+    st.swap_outliers(make_outliers(st.rows, torch.tensor([0, 5, 7, 9]), W))
+    assert all(torch.equal(a, b) for a, b in zip(st.call(H), screen_bounds_cpu(st, H)))
+    prov.calibrate(H)
+    assert prov.steady is None
+    biased = CertifiedHead(W, torch.randn(3000, generator=g), num_outliers=4)
+    for r in range(12):
+        biased.topk(H[r:r + 1])
+    assert biased.provider.steady is None
+
 def _off_grid_head(V=64, d=48, k=4, seed=0):
     """Rows whose outlier-column weights sit halfway between int8 levels (the largest quantization error
     there), the other columns on the grid, and hidden states whose outlier columns are massive."""

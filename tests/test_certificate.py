@@ -233,18 +233,19 @@ def _native_or_skip():
 
 
 def _counting_top1(monkeypatch):
-    """Count the calls of the dispatch op ``top1`` and how many it left to the torch path."""
-    from hf_csv_kernels import dispatch, screen
+    """Count the calls of the dispatch op ``top1`` and how many it left to the torch path (heads built after this
+    call: a head resolves the op when it is built)."""
+    from hf_csv_kernels import dispatch, native
 
     seen = {"calls": 0, "declined": 0}
 
     def spy(*a, **k):
-        got = screen.top1_cpu(*a, **k)
+        got = native.top1(*a, **k)
         seen["calls"] += 1
-        seen["declined"] += got is None or got[0] < 0
+        seen["declined"] += got[0] < 0
         return got
 
-    monkeypatch.setitem(dispatch._REGISTRY["top1"], "cpu", spy)
+    monkeypatch.setitem(dispatch._REGISTRY["top1"], "native", spy)
     return seen
 
 
@@ -263,9 +264,9 @@ def test_native_top1_is_a_valid_certificate_and_agrees_with_the_torch_path(V, d,
     W[V // 2] = W[V // 3]  # an exact tie whenever one of them is the top: the first index wins
     W[V - 1] = W[7]
     W = W.to(dtype)
+    seen = _counting_top1(monkeypatch)
     ch = CertifiedHead(W)
     od = None if dtype == torch.float32 else dtype
-    seen = _counting_top1(monkeypatch)
     same_s = 0
     rows = 60
     for i in range(rows):
@@ -306,10 +307,10 @@ def test_native_top1_on_several_rows_equals_its_rows_one_by_one(dtype, monkeypat
     _native_or_skip()
     g = torch.Generator().manual_seed(11)
     W = (torch.randn(6000, 96, generator=g) * 0.05).to(dtype)
+    seen = _counting_top1(monkeypatch)
     ch = CertifiedHead(W)
     od = None if dtype == torch.float32 else dtype
     H = (torch.randn(5, 96, generator=g) * 3).to(dtype)
-    seen = _counting_top1(monkeypatch)
     many = ch.topk(H, 1, out_dtype=od, own_values=True)
     assert seen["calls"] == 1 and seen["declined"] == 0 and many.stats.native == 5
     rows, toks, acc = many.acc
@@ -338,8 +339,8 @@ def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_
     _native_or_skip()
     g = torch.Generator().manual_seed(5)
     W = torch.randn(1, 64, generator=g) * 0.05 + torch.randn(4000, 64, generator=g) * 1e-4  # near-equal rows
-    ch = CertifiedHead(W, budget=3)
     seen = _counting_top1(monkeypatch)
+    ch = CertifiedHead(W, budget=3)
     for _ in range(10):
         h = torch.randn(1, 64, generator=g) * 3  # flat logits: S is larger than 3 tokens
         nat = ch.topk(h, 1, own_values=True)
@@ -358,7 +359,7 @@ def test_native_top1_leaves_rows_over_the_budget_and_open_argmaxes_to_the_torch_
 
 def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypatch):
     """It runs for k = 1, own_values=True, values in the head's dtype (one row or several); never for the default
-    call (values from stock's op), k > 1, a bias, a bf16 head returning float32 values, fp16, or
+    call (values from stock's op), k > 1, a bias, a bf16 head returning float32 values, fp16, or a head built under
     HF_CSV_KERNELS=reference."""
     _native_or_skip()
     g = torch.Generator().manual_seed(6)
@@ -372,8 +373,8 @@ def test_native_top1_serves_only_calls_that_may_take_hf_csvs_own_values(monkeypa
     CertifiedHead(W.bfloat16()).topk(h[:1].bfloat16(), 1, own_values=True)
     CertifiedHead(W.half()).topk(h[:1].half(), 1, out_dtype=torch.float16, own_values=True)
     assert seen["calls"] == 0
-    monkeypatch.setenv("HF_CSV_KERNELS", "reference")
-    ch.topk(h[:1], 1, own_values=True)
+    monkeypatch.setenv("HF_CSV_KERNELS", "reference")  # read when a head is built
+    CertifiedHead(W).topk(h[:1], 1, own_values=True)
     assert seen["calls"] == 0
     monkeypatch.delenv("HF_CSV_KERNELS")
     ch.topk(h[:1], 1, own_values=True)

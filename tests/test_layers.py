@@ -92,3 +92,26 @@ def test_every_check_names_its_section():
     public = [n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
     missing = [n.name for n in public if "§" not in (ast.get_docstring(n) or "")]
     assert public and not missing, missing
+
+
+def test_a_certified_greedy_step_passes_through_five_modules_without_going_back():
+    """Issue 38's call tracer (scripts/trace_step.py) on a tiny random Llama: a settled plain greedy step runs in
+    hf_csv.step, hf_csv.plan, hf_csv.certificate, hf_csv.speed and the native kernel, and no hop goes back into a
+    module the step came from; a step with a lowering processor still certifies (its check runs from the processor
+    list, the one hop back)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from trace_step import trace
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    from hf_csv_kernels import native
+
+    r = trace()
+    assert "certified 6/6 rows" in r["certified"], r["certified"]
+    assert r["call_backs"] == [], r["call_backs"]
+    want = {"hf_csv.step", "hf_csv.plan", "hf_csv.certificate", "hf_csv.speed"}
+    assert want <= set(r["modules"]), r["modules"]
+    if native.available():  # (without it the screen runs fbgemm through bounds and hf_csv_kernels.screen)
+        assert set(r["modules"]) == want | {"hf_csv_kernels.native"}, r["modules"]
+    rp = trace(repetition_penalty=1.3)
+    assert "certified 6/6 rows" in rp["certified"] and len(rp["call_backs"]) <= 1, rp
