@@ -19,11 +19,13 @@ Writes: model, tokens_per_s_stock, tokens_per_s_csv, speedup (median over --runs
 pairs), head_fraction f (time inside the stock head / whole generate, measured with hooks in a
 separate stock run), limit = 1/(1-f), gain_fraction = (speedup-1)/(limit-1), identical_tokens,
 certified_fraction, mean_subvocab_fraction, head_ms_stock / head_ms_csv (per head call inside generate, speed-guard
-probes included); greedy only: head_alone_ms_csv / head_alone_warm_ms_csv (the certified top-1 call, ``CertifiedHead.topk``, on the
-decode rows that generate fed the head, timed alone after the runs, caches flushed between calls / back to back) and
-head_ms_csv_certified (its mean over the calls that ran certified: the speed guard's probes of the full head, which
-cost the full head's time, left out) and its median, head_in_generate_over_alone (that certified mean in generate
-over cold alone); and a PNG.
+probes included), head_ms_csv_certified (the mean over the calls that ran certified: the speed guard's probes of the
+full head, which cost the full head's time, left out) and its median; greedy only, in --runs rounds after the timed
+pairs, each round two certified generate calls then the head alone: head_alone_ms_csv (the certified top-1 call,
+``CertifiedHead.topk(own_values=True)``, on the decode rows that generate fed the head, caches flushed between calls;
+median over rows, median over rounds), head_alone_warm_ms_csv (back to back, once),
+head_in_generate_over_alone (per round: the median certified call in generate over the median alone; the median
+of the rounds; the rounds' ratios in head_in_generate_over_alone_rounds); and a PNG.
 """
 from __future__ import annotations
 
@@ -114,31 +116,20 @@ def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
     return acc["t"], acc["n"], total
 
 
-def head_alone(head: torch.nn.Module, cfg, rows: list, dtype: torch.dtype) -> tuple[float, float] | None:
-    """Seconds per certified top-1 call (``CertifiedHead.topk``, what a greedy step's head computes) on the decode
-    rows ``rows`` generate fed the head, outside generate: (cold, warm). *Cold*: a 256 MB buffer is written between
-    calls (untimed), so the head's codes come from memory as they do inside generate, where the model body runs
-    between two head calls; *warm*: back to back. Each the median over 3 passes of the mean over the rows."""
-    if not rows:
-        return None
-    ch = hf_csv.head.get_certified_head(head, cfg)
-    flush = torch.empty(64 << 20, dtype=torch.float32)
-    out = []
+def head_alone(ch, rows: list, dtype: torch.dtype, flush: torch.Tensor | None) -> float:
+    """Median seconds of one certified top-1 call (``CertifiedHead.topk(own_values=True)``, what a greedy step's head
+    computes) on each decode row of ``rows`` (rows generate fed the head), outside generate. With ``flush`` (cold) the
+    buffer is written between calls (untimed), so the head's codes come from memory as they do inside generate,
+    where the model body runs between two head calls; without it (warm) back to back."""
+    ts = []
     with torch.no_grad():
-        ch.topk(rows[0], 1, out_dtype=dtype, own_values=True)  # (warm: the cached head is built already)
-        for cold in (True, False):
-            means = []
-            for _ in range(3):
-                t = 0.0
-                for H in rows:
-                    if cold:
-                        flush.fill_(1.0)
-                    t0 = time.perf_counter()
-                    ch.topk(H, 1, out_dtype=dtype, own_values=True)
-                    t += time.perf_counter() - t0
-                means.append(t / len(rows))
-            out.append(statistics.median(means))
-    return out[0], out[1]
+        for H in rows:
+            if flush is not None:
+                flush.fill_(1.0)
+            t0 = time.perf_counter()
+            ch.topk(H, 1, out_dtype=dtype, own_values=True)
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def main() -> None:
@@ -212,13 +203,28 @@ def main() -> None:
         stats = model.csv_last_stats
         # head fraction: hooks on the stock head in a separate stock run; csv head time likewise
         hs, ns, tot = head_time(head, stock)
-        CSVHead.forward = timed_fwd
-        try:
-            for _ in range(2):  # (64 head calls: a guard probe of the full head lands in some runs)
-                _, tot_csv = timed(csv)
-        finally:
-            CSVHead.forward = orig_fwd
-    alone = head_alone(head, cfg, rows, getattr(torch, args.dtype)) if args.preset == "greedy" else None
+        # the head in generate and alone, interleaved round by round (drift and load hit both alike), each the median
+        # of its certified calls: in generate over 2 calls (64 head calls; the speed guard's probes of the full head,
+        # which cost the full head's time, left out), alone cold on the rows generate fed the head
+        ch = hf_csv.head.get_certified_head(head, cfg)
+        greedy = args.preset == "greedy"
+        flush = torch.empty(64 << 20, dtype=torch.float32) if greedy else None  # 256 MB, more than any L3 here
+        rounds: list = []  # (in generate, alone cold) per round, seconds per call
+        for r in range(max(1, args.runs) if greedy else 1):
+            n0 = len(acc["cert"])
+            CSVHead.forward = timed_fwd
+            try:
+                for _ in range(2):
+                    _, tot_csv = timed(csv)
+            finally:
+                CSVHead.forward = orig_fwd
+            if greedy and rows and len(acc["cert"]) > n0:
+                if r == 0:  # (a first alone call: nothing in it is built any more, the cached head is)
+                    ch.topk(rows[0], 1, out_dtype=getattr(torch, args.dtype), own_values=True)
+                rounds.append((statistics.median(acc["cert"][n0:]),
+                               head_alone(ch, rows, getattr(torch, args.dtype), flush)))
+    alone_warm = head_alone(ch, rows, getattr(torch, args.dtype), None) if rounds else None
+    ratios = [a / b for a, b in rounds]
     f = hs / tot
     limit = 1 / (1 - f)
     ms, mc = statistics.median(t_stock), statistics.median(t_csv)
@@ -234,11 +240,12 @@ def main() -> None:
         "certified_fraction": stats.get("certified_fraction"), "mean_subvocab_fraction": stats.get("mean_subvocab_fraction"),
         "near_ties": stats.get("near_ties"), "mode": stats.get("mode"), "verify_reruns": stats.get("verify_reruns"),
         "head_ms_stock": 1e3 * hs / max(ns, 1), "head_ms_csv": 1e3 * acc["t"] / max(acc["n"], 1),
-        "head_alone_ms_csv": None if alone is None else 1e3 * alone[0],
-        "head_alone_warm_ms_csv": None if alone is None else 1e3 * alone[1],
+        "head_alone_ms_csv": 1e3 * statistics.median(b for _, b in rounds) if rounds else None,
+        "head_alone_warm_ms_csv": None if alone_warm is None else 1e3 * alone_warm,
         "head_ms_csv_certified": 1e3 * statistics.fmean(acc["cert"]) if acc["cert"] else None,
         "head_ms_csv_certified_median": 1e3 * statistics.median(acc["cert"]) if acc["cert"] else None,
-        "head_in_generate_over_alone": None if not (alone and acc["cert"]) else statistics.fmean(acc["cert"]) / alone[0],
+        "head_in_generate_over_alone": statistics.median(ratios) if ratios else None,
+        "head_in_generate_over_alone_rounds": ratios,
         "step_ms_stock": 1e3 * ms / max(new, 1), "step_ms_csv": 1e3 * mc / max(new, 1),
         "first_csv_call_s": t_build, "first_stock_call_s": t_first_stock,
         "first_call_ratio": t_first_stock / t_build, "times_stock_s": t_stock, "times_csv_s": t_csv,
