@@ -21,9 +21,9 @@ separate stock run), limit = 1/(1-f), gain_fraction = (speedup-1)/(limit-1), ide
 certified_fraction, mean_subvocab_fraction, head_ms_stock / head_ms_csv (per head call inside generate, speed-guard
 probes included), head_ms_csv_certified (the mean over the calls that ran certified: the speed guard's probes of the
 full head, which cost the full head's time, left out) and its median; greedy only, in --runs rounds after the timed
-pairs, each round two certified generate calls then the head alone: head_alone_ms_csv (the certified top-1 call,
-``CertifiedHead.topk(own_values=True)``, on the decode rows that generate fed the head, caches flushed between calls;
-median over rows, median over rounds), head_alone_warm_ms_csv (back to back, once),
+pairs, each round two certified generate calls then the head alone: head_alone_ms_csv (the certified head call the
+steps made, ``CertifiedHead.topk`` with the same arguments, on the decode rows that generate fed the head, caches
+flushed between calls; median over rows, median over rounds), head_alone_call (those arguments), head_alone_warm_ms_csv (back to back, once),
 head_in_generate_over_alone (per round: the median certified call in generate over the median alone; the median
 of the rounds; the rounds' ratios in head_in_generate_over_alone_rounds); and a PNG.
 """
@@ -116,18 +116,20 @@ def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
     return acc["t"], acc["n"], total
 
 
-def head_alone(ch, rows: list, dtype: torch.dtype, flush: torch.Tensor | None) -> float:
-    """Median seconds of one certified top-1 call (``CertifiedHead.topk(own_values=True)``, what a greedy step's head
-    computes) on each decode row of ``rows`` (rows generate fed the head), outside generate. With ``flush`` (cold) the
-    buffer is written between calls (untimed), so the head's codes come from memory as they do inside generate,
-    where the model body runs between two head calls; without it (warm) back to back."""
+def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> float:
+    """Median seconds of the certified head call that generate's steps made (``CertifiedHead.topk`` with the
+    arguments ``call`` it was given there: for plain greedy a top-1 call with hf_csv's own values, for Whisper its
+    wider top-k with the timestamp block) on each decode row of ``rows`` (rows generate fed the head), outside
+    generate. With ``flush`` (cold) the buffer is written between calls (untimed), so the head's codes come from
+    memory as they do inside generate, where the model body runs between two head calls; without it (warm) back to
+    back."""
     ts = []
     with torch.no_grad():
         for H in rows:
             if flush is not None:
                 flush.fill_(1.0)
             t0 = time.perf_counter()
-            ch.topk(H, 1, out_dtype=dtype, own_values=True)
+            ch.topk(H, **call)
             ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -208,22 +210,29 @@ def main() -> None:
         # which cost the full head's time, left out), alone cold on the rows generate fed the head
         ch = hf_csv.head.get_certified_head(head, cfg)
         greedy = args.preset == "greedy"
+        call: dict = {}  # the arguments of the certified head's last topk call in generate (replayed alone)
+        orig_topk = type(ch).topk
+
+        def seen_topk(self, H, k=1, **kw):
+            if self is ch and H.shape[0] == 1:
+                call.clear()
+                call.update(kw, k=k)
+            return orig_topk(self, H, k, **kw)
         flush = torch.empty(64 << 20, dtype=torch.float32) if greedy else None  # 256 MB, more than any L3 here
         rounds: list = []  # (in generate, alone cold) per round, seconds per call
         for r in range(max(1, args.runs) if greedy else 1):
             n0 = len(acc["cert"])
-            CSVHead.forward = timed_fwd
+            CSVHead.forward, type(ch).topk = timed_fwd, seen_topk
             try:
                 for _ in range(2):
                     _, tot_csv = timed(csv)
             finally:
-                CSVHead.forward = orig_fwd
-            if greedy and rows and len(acc["cert"]) > n0:
+                CSVHead.forward, type(ch).topk = orig_fwd, orig_topk
+            if greedy and rows and call and len(acc["cert"]) > n0:
                 if r == 0:  # (a first alone call: nothing in it is built any more, the cached head is)
-                    ch.topk(rows[0], 1, out_dtype=getattr(torch, args.dtype), own_values=True)
-                rounds.append((statistics.median(acc["cert"][n0:]),
-                               head_alone(ch, rows, getattr(torch, args.dtype), flush)))
-    alone_warm = head_alone(ch, rows, getattr(torch, args.dtype), None) if rounds else None
+                    ch.topk(rows[0], **call)
+                rounds.append((statistics.median(acc["cert"][n0:]), head_alone(ch, rows, call, flush)))
+    alone_warm = head_alone(ch, rows, call, None) if rounds else None
     ratios = [a / b for a, b in rounds]
     f = hs / tot
     limit = 1 / (1 - f)
@@ -246,6 +255,7 @@ def main() -> None:
         "head_ms_csv_certified_median": 1e3 * statistics.median(acc["cert"]) if acc["cert"] else None,
         "head_in_generate_over_alone": statistics.median(ratios) if ratios else None,
         "head_in_generate_over_alone_rounds": ratios,
+        "head_alone_call": {k: str(v) for k, v in call.items()},
         "step_ms_stock": 1e3 * ms / max(new, 1), "step_ms_csv": 1e3 * mc / max(new, 1),
         "first_csv_call_s": t_build, "first_stock_call_s": t_first_stock,
         "first_call_ratio": t_first_stock / t_build, "times_stock_s": t_stock, "times_csv_s": t_csv,
