@@ -32,7 +32,7 @@ from .config import CSVConfig
 from .errors import CSVError
 from .plan import FULL, Full, Plan
 from .posthead import PostHead
-from .step import _ACTIVE, CSVHead, StepState
+from .step import CSVHead, StepState, activated
 
 logger = logging.getLogger(__name__)
 
@@ -356,13 +356,10 @@ def swapped_head(model: nn.Module, session: CSVSession) -> Iterator[CSVSession]:
             _SWAPS[key] = entry
             setattr(model, name, wrapper)
         entry[3] += 1
-    act = dict(_ACTIVE.get() or {})
-    act[key] = session
-    token = _ACTIVE.set(act)
     try:
-        yield session
+        with activated(model, session):
+            yield session
     finally:
-        _ACTIVE.reset(token)
         with _LOCK:
             entry[3] -= 1
             if entry[3] == 0:

@@ -21,10 +21,11 @@ the call's (:class:`hf_csv.head.CSVSession`: ``step``); the plan is a frozen val
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
 from .posthead import check_output
 from .speed import rows_bucket
 
-__all__ = ["CSVHead", "StepStash", "StepState", "active_session", "check_post", "check_step", "flush_guard",
+__all__ = ["CSVHead", "StepStash", "StepState", "activated", "active_session", "check_post", "check_step", "flush_guard",
            "guard_key", "guard_post_head", "head_step", "track_length"]
 
 
@@ -96,7 +97,7 @@ class StepState:
 
 # ------------------------------------------------------------------ the step's entries from transformers
 # model id -> session, per context (thread / task). A dict so that an assistant model and the main model can both be
-# certified inside one call. Set by hf_csv.head.swapped_head for the call's extent.
+# certified inside one call. Set by :func:`activated` (hf_csv.head.swapped_head) for the call's extent.
 _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv_active", default=None)
 
 
@@ -104,6 +105,19 @@ def active_session(model: nn.Module) -> Any:
     """The :class:`hf_csv.head.CSVSession` active for ``model`` in the calling context (thread / task), or None."""
     act = _ACTIVE.get()
     return None if act is None else act.get(id(model))
+
+
+@contextlib.contextmanager
+def activated(model: nn.Module, session: Any) -> Iterator[None]:
+    """Make ``session`` the one :func:`active_session` finds for ``model`` in this context, until the block exits
+    (reset also after an exception)."""
+    act = dict(_ACTIVE.get() or {})
+    act[id(model)] = session
+    token = _ACTIVE.set(act)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 class CSVHead(nn.Module):
