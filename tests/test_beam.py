@@ -177,7 +177,8 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
     """Run hf_csv's top-k wrapper on one crafted step (batch 1): rows are per beam, rbs the running scores."""
     from transformers.generation.utils import GenerationMixin
 
-    from hf_csv.head import CSVSession, _ACTIVE
+    from hf_csv.head import CSVSession
+    from hf_csv.step import activated
     from hf_csv.plan import BeamStep
 
     m = _model("llama", torch.float32, 1)
@@ -192,13 +193,10 @@ def _topk_call(lo_rows, hi_rows, rep_rows, ob, rbs, K):
     extra = {}
     if "vocab_size" in inspect.signature(GenerationMixin._get_top_k_continuations).parameters:
         extra["vocab_size"] = V  # (transformers 4.57 passes it; 5.x derives it)
-    token = _ACTIVE.set({id(m): sess})
-    try:
+    with activated(m, sess):
         return wrapped(accumulated_log_probs=acc, running_sequences=seqs,
                        running_beam_indices=torch.full((1, nb, 4), -1, dtype=torch.int32), cur_len=3,
                        decoder_prompt_len=2, do_sample=False, beams_to_keep=K, num_beams=nb, batch_size=1, **extra)
-    finally:
-        _ACTIVE.reset(token)
 
 
 REP = torch.tensor([[-0.1, -2.0, -3.0, -4.0], [-0.2, -2.5, -3.2, -5.0]])
