@@ -25,7 +25,8 @@ pairs, each round two certified generate calls then the head alone: head_alone_m
 steps made, ``CertifiedHead.topk`` with the same arguments, on the decode rows that generate fed the head, caches
 flushed between calls; median over rows, median over rounds), head_alone_call (those arguments), head_alone_warm_ms_csv (back to back, once),
 head_in_generate_over_alone (per round: the median certified call in generate over the median alone; the median
-of the rounds; the rounds' ratios in head_in_generate_over_alone_rounds); and a PNG.
+of the rounds; the rounds' ratios in head_in_generate_over_alone_rounds), head_in_generate_over_alone_mean (the same
+with each side's mean per call instead of its median: outliers count); and a PNG.
 """
 from __future__ import annotations
 
@@ -116,10 +117,10 @@ def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
     return acc["t"], acc["n"], total
 
 
-def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> float:
-    """Median seconds of the certified head call that generate's steps made (``CertifiedHead.topk`` with the
+def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> list:
+    """Seconds of the certified head call that generate's steps made (``CertifiedHead.topk`` with the
     arguments ``call`` it was given there: for plain greedy a top-1 call with hf_csv's own values, for Whisper its
-    wider top-k with the timestamp block) on each decode row of ``rows`` (rows generate fed the head), outside
+    top-9 call) on each decode row of ``rows`` (rows generate fed the head), one time per row, outside
     generate. With ``flush`` (cold) the buffer is written between calls (untimed), so the head's codes come from
     memory as they do inside generate, where the model body runs between two head calls; without it (warm) back to
     back."""
@@ -131,7 +132,7 @@ def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> float:
             t0 = time.perf_counter()
             ch.topk(H, **call)
             ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
 
 
 def main() -> None:
@@ -231,9 +232,10 @@ def main() -> None:
             if greedy and rows and call and len(acc["cert"]) > n0:
                 if r == 0:  # (a first alone call: nothing in it is built any more, the cached head is)
                     ch.topk(rows[0], **call)
-                rounds.append((statistics.median(acc["cert"][n0:]), head_alone(ch, rows, call, flush)))
-    alone_warm = head_alone(ch, rows, call, None) if rounds else None
-    ratios = [a / b for a, b in rounds]
+                rounds.append((acc["cert"][n0:], head_alone(ch, rows, call, flush)))
+    alone_warm = statistics.median(head_alone(ch, rows, call, None)) if rounds else None
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in rounds]
+    ratios_mean = [statistics.fmean(a) / statistics.fmean(b) for a, b in rounds]
     f = hs / tot
     limit = 1 / (1 - f)
     ms, mc = statistics.median(t_stock), statistics.median(t_csv)
@@ -249,12 +251,14 @@ def main() -> None:
         "certified_fraction": stats.get("certified_fraction"), "mean_subvocab_fraction": stats.get("mean_subvocab_fraction"),
         "near_ties": stats.get("near_ties"), "mode": stats.get("mode"), "verify_reruns": stats.get("verify_reruns"),
         "head_ms_stock": 1e3 * hs / max(ns, 1), "head_ms_csv": 1e3 * acc["t"] / max(acc["n"], 1),
-        "head_alone_ms_csv": 1e3 * statistics.median(b for _, b in rounds) if rounds else None,
+        "head_alone_ms_csv": 1e3 * statistics.median(statistics.median(b) for _, b in rounds) if rounds else None,
         "head_alone_warm_ms_csv": None if alone_warm is None else 1e3 * alone_warm,
         "head_ms_csv_certified": 1e3 * statistics.fmean(acc["cert"]) if acc["cert"] else None,
         "head_ms_csv_certified_median": 1e3 * statistics.median(acc["cert"]) if acc["cert"] else None,
         "head_in_generate_over_alone": statistics.median(ratios) if ratios else None,
         "head_in_generate_over_alone_rounds": ratios,
+        "head_in_generate_over_alone_mean": statistics.median(ratios_mean) if ratios_mean else None,
+        "head_in_generate_over_alone_mean_rounds": ratios_mean,
         "head_alone_call": {k: str(v) for k, v in call.items()},
         "step_ms_stock": 1e3 * ms / max(new, 1), "step_ms_csv": 1e3 * mc / max(new, 1),
         "first_csv_call_s": t_build, "first_stock_call_s": t_first_stock,
