@@ -120,8 +120,9 @@ def head_time(module: torch.nn.Module, fn) -> tuple[float, int, float]:
 def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> list:
     """Seconds of the certified head call that generate's steps made (``CertifiedHead.topk`` with the
     arguments ``call`` it was given there: for plain greedy a top-1 call with hf_csv's own values, for Whisper its
-    top-9 call) on each decode row of ``rows`` (rows generate fed the head), one time per row, outside
-    generate. With ``flush`` (cold) the buffer is written between calls (untimed), so the head's codes come from
+    top-9 call) on each decode row of ``rows`` (rows generate fed the head), one time per row whose call certified
+    every row (the rows that fall back to stock's row are left out, as the certified calls in generate are counted),
+    outside generate. With ``flush`` (cold) the buffer is written between calls (untimed), so the head's codes come from
     memory as they do inside generate, where the model body runs between two head calls; without it (warm) back to
     back."""
     ts = []
@@ -130,8 +131,10 @@ def head_alone(ch, rows: list, call: dict, flush: torch.Tensor | None) -> list:
             if flush is not None:
                 flush.fill_(1.0)
             t0 = time.perf_counter()
-            ch.topk(H, **call)
-            ts.append(time.perf_counter() - t0)
+            res = ch.topk(H, **call)
+            dt = time.perf_counter() - t0
+            if res.stats.certified == res.stats.rows:  # as in generate: calls a row of which fell back are left out
+                ts.append(dt)
     return ts
 
 
@@ -232,8 +235,11 @@ def main() -> None:
             if greedy and rows and call and len(acc["cert"]) > n0:
                 if r == 0:  # (a first alone call: nothing in it is built any more, the cached head is)
                     ch.topk(rows[0], **call)
-                rounds.append((acc["cert"][n0:], head_alone(ch, rows, call, flush)))
-    alone_warm = statistics.median(head_alone(ch, rows, call, None)) if rounds else None
+                alone = head_alone(ch, rows, call, flush)
+                if alone:
+                    rounds.append((acc["cert"][n0:], alone))
+    warm = head_alone(ch, rows, call, None) if rounds else None
+    alone_warm = statistics.median(warm) if warm else None
     ratios = [statistics.median(a) / statistics.median(b) for a, b in rounds]
     ratios_mean = [statistics.fmean(a) / statistics.fmean(b) for a, b in rounds]
     f = hs / tot
