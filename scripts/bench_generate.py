@@ -209,9 +209,9 @@ def main() -> None:
         stats = model.csv_last_stats
         # head fraction: hooks on the stock head in a separate stock run; csv head time likewise
         hs, ns, tot = head_time(head, stock)
-        # the head in generate and alone, interleaved round by round (drift and load hit both alike), each the median
-        # of its certified calls: in generate over 2 calls (64 head calls; the speed guard's probes of the full head,
-        # which cost the full head's time, left out), alone cold on the rows generate fed the head
+        # the head in generate and alone, interleaved round by round (drift and load hit both alike), each side's calls
+        # that certified every row: in generate over 2 calls (64 head calls; the speed guard's probes of the full
+        # head, which cost the full head's time, left out), alone cold on the rows generate fed the head
         ch = hf_csv.head.get_certified_head(head, cfg)
         greedy = args.preset == "greedy"
         call: dict = {}  # the arguments of the certified head's last topk call in generate (replayed alone)
@@ -222,8 +222,9 @@ def main() -> None:
                 call.clear()
                 call.update(kw, k=k)
             return orig_topk(self, H, k, **kw)
+
         flush = torch.empty(64 << 20, dtype=torch.float32) if greedy else None  # 256 MB, more than any L3 here
-        rounds: list = []  # (in generate, alone cold) per round, seconds per call
+        rounds: list = []  # per round: (seconds of each call in generate, of each call alone, cold)
         for r in range(max(1, args.runs) if greedy else 1):
             n0 = len(acc["cert"])
             CSVHead.forward, type(ch).topk = timed_fwd, seen_topk
