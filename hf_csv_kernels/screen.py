@@ -64,8 +64,14 @@ class ScreenState:
     ready: threading.Event = field(default_factory=threading.Event)
     # the native fused pass without a bias, bound to the current codes and outlier set: ``call(H)`` is
     # :func:`screen_bounds_cpu(state, H) <screen_bounds_cpu>` for a contiguous float32 ``H`` (the same kernel call,
-    # argument for argument); rebuilt by every swap of either, None where that pass does not serve
+    # argument for argument); rebuilt by every assignment of either (:meth:`__setattr__`), None where that pass does
+    # not serve
     call: Optional[Callable] = None
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in ("native", "outliers") and "call" in self.__dict__:  # (after __init__, which sets ``call`` last)
+            self._publish()
 
     def swap_outliers(self, new: "Outliers", expected: Optional["Outliers"] = None) -> bool:
         """Swap in another outlier set as one object (readers take ``outliers`` once per call); with ``expected``,
@@ -74,17 +80,16 @@ class ScreenState:
             if expected is not None and self.outliers is not expected:
                 return False
             self.outliers = new
-            self._publish()
             return True
 
     def set_native(self, lay: Optional[tuple]) -> None:
         """Swap in the native kernel's codes (``(codes, interleaved?)``) as one object."""
         with self._swap:
             self.native = lay
-            self._publish()
 
     def _publish(self) -> None:
-        """(Under ``_swap``.) :attr:`call` for the current codes and outlier set."""
+        """:attr:`call` for the current codes and outlier set (each assignment of either; the background swaps hold
+        ``_swap``)."""
         lay = self.native
         args = None if lay is None else _bounds_args(self, self.outliers, None)
         self.call = None if args is None else functools.partial(
@@ -191,7 +196,7 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
                   weight: Optional[torch.Tensor] = None) -> Outliers:
     """The outlier part of a screen for the columns ``outlier_cols`` (exact W[:, J] when ``weight`` is given,
     see :func:`prepare_screen`). Costs one V×k gather of the weight, not a repack: a screen can swap it in
-    (``state.outliers = ...``) after a recalibration."""
+    (:meth:`ScreenState.swap_outliers`) after a recalibration."""
     V, d = rows.q.shape
     if outlier_cols is None:
         outlier_cols = torch.zeros(0, dtype=torch.long, device=rows.q.device)

@@ -175,9 +175,16 @@ def test_a_settled_screen_is_one_kernel_call_equal_to_the_fused_pass():
     st.call = lambda h: calls.append(1) or monkey(h)
     res = ch.topk(H[11:12], own_values=True)
     assert calls == [1] and torch.equal(res.logits.argmax(1), (H[11:12] @ W.T).argmax(1))
-    # a swapped outlier set: the call follows it
+    # a swapped outlier set, or one assigned directly: the call follows it
     st.swap_outliers(make_outliers(st.rows, torch.tensor([0, 5, 7, 9]), W))
     assert all(torch.equal(a, b) for a, b in zip(st.call(H), screen_bounds_cpu(st, H)))
+    st.outliers = make_outliers(st.rows, torch.tensor([1, 2, 3, 4]), W)
+    assert torch.equal(st.call.keywords["cols"], torch.tensor([1, 2, 3, 4]))
+    assert all(torch.equal(a, b) for a, b in zip(st.call(H), screen_bounds_cpu(st, H)))
+    lay = st.native
+    st.native = None  # without the native codes there is no one-call screen: the provider's path serves
+    assert st.call is None and ch.topk(H[11:12], own_values=True).stats.certified == 1
+    st.native = lay
     prov.calibrate(H)
     assert prov.steady is None
     biased = CertifiedHead(W, torch.randn(3000, generator=g), num_outliers=4)
