@@ -194,8 +194,8 @@ class CertifiedHead:
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
         self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
-        # the one-row top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads
-        # without a bias
+        # the top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads without a
+        # bias, one row or several
         serves = (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu" and bias is None
                   and self.weight.is_contiguous())
         # resolved once: the kernel's entry (None where it is not built or HF_CSV_KERNELS=reference at build time)

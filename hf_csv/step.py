@@ -103,8 +103,12 @@ _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv
 
 def active_session(model: nn.Module) -> Any:
     """The :class:`hf_csv.head.CSVSession` active for ``model`` in the calling context (thread / task), or None."""
+    return _session_of(id(model))
+
+
+def _session_of(model_id: int) -> Any:
     act = _ACTIVE.get()
-    return None if act is None else act.get(id(model))
+    return None if act is None else act.get(model_id)
 
 
 @contextlib.contextmanager
@@ -146,8 +150,7 @@ class CSVHead(nn.Module):
             # without it); the plan set for this model's compiled decode, or stock's head
             plan = self.static_plan
             return self.inner(hidden) if plan is None else plan(hidden)
-        act = _ACTIVE.get()
-        sess = None if act is None else act.get(self._model_id)
+        sess = _session_of(self._model_id)
         if sess is None:
             return self.inner(hidden)
         if sess.exact_depth:  # a processor's own model call (WhisperNoSpeechDetection): stock's head, state untouched

@@ -91,7 +91,7 @@ class ScreenState:
         """:attr:`call` for the current codes and outlier set (each assignment of either; the background swaps hold
         ``_swap``)."""
         lay = self.native
-        args = None if lay is None else _bounds_args(self, self.outliers, None)
+        args = None if lay is None else _bounds_args(self, lay[0], self.outliers, None)
         self.call = None if args is None else functools.partial(
             _native.screen_bounds, lay[0], self.rows.scale, lay[1], cols=self.outliers.cols, wJ=self.outliers.w8,
             rest_norm=args[0], K=args[1], terms=args[2], bias=None, checked=True)
@@ -437,7 +437,7 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
     if lay is None:
         return None
     out = state.outliers  # read once: a recalibration may swap in another set meanwhile
-    args = _bounds_args(state, out, bias)
+    args = _bounds_args(state, lay[0], out, bias)
     if args is None:
         return None
     exact, K, terms, b = args
@@ -445,9 +445,10 @@ def screen_bounds_cpu(state: ScreenState, H: torch.Tensor, bias: Optional[torch.
                                  terms, b, checked=True)
 
 
-def _bounds_args(state: ScreenState, out: Outliers, bias: Optional[torch.Tensor]) -> Optional[tuple]:
-    """(rest_norm, K, terms, bias as float32) of :func:`screen_bounds_cpu` for the outlier set ``out``, checked and
-    computed once per set and bias (the state's tensors do not change); None where the native pass cannot read ``out``."""
+def _bounds_args(state: ScreenState, q: torch.Tensor, out: Outliers, bias: Optional[torch.Tensor]) -> Optional[tuple]:
+    """(rest_norm, K, terms, bias as float32) of :func:`screen_bounds_cpu` for the codes ``q`` and the outlier set
+    ``out`` the caller read, checked and computed once per set and bias (the state's tensors do not change; every
+    layout of the codes has the same shape); None where the native pass cannot read ``out``."""
     if out.w8 is None:
         return None
     # keyed by the caller's bias object, not by b: a bias of another dtype gives a fresh copy every call
@@ -458,7 +459,7 @@ def _bounds_args(state: ScreenState, out: Outliers, bias: Optional[torch.Tensor]
         exact = out.err_rest is not None
         terms = [out.err_rest, rows.l1, rows.abs_l1] if exact else [rows.err_l2, rows.l1]
         b = None if bias is None else bias.float().contiguous()
-        _native.check_bounds_inputs(state.native[0], rows.scale, out.cols, out.w8, terms, b)
+        _native.check_bounds_inputs(q, rows.scale, out.cols, out.w8, terms, b)
         u = unit_roundoff()
         g = gamma(out.cols.numel() + 2)
         # K: ‖h_R‖ (‖h‖) times (1+4u) for the weight term; l_i's coefficient m·s_X/2·(1+10⁻³) + (64u + γ_{k+2} +
