@@ -21,7 +21,7 @@ this only picks the faster. The choice is reported in the call's stats (``speed_
 What is timed is the step's work that differs between the two sides: the head call, plus, when hf_csv's
 ``CSVLogitsProcessor`` runs after it (decoding with a per-step check), that processor's time in the same step —
 the check on a certified row, stock's warper that it stands in for on a full one (nucleus mode replaces stock's
-top-p warper, whose sort over V costs about a third of SmolLM2's head on this project's CPU). Other processors and
+top-p warper, whose sort over V is a V-wide cost of its own; docs/benchmarks.md §9.5). Other processors and
 the model body cost the same on both sides and are not timed.
 
 A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least
@@ -67,7 +67,7 @@ from typing import Hashable, Iterator, Optional
 import torch
 
 __all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason",
-           "caller_threads", "intra_op_threads", "rows_bucket"]
+           "caller_threads", "intra_op_threads", "rows_bucket", "untimed"]
 
 MIN_WEIGHTS = 1 << 21
 PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
@@ -107,6 +107,15 @@ def caller_threads() -> Iterator[None]:
             yield
 
 
+def untimed() -> None:
+    """Inside a tuned block: leave this call out of the tuner's record. The certified head calls it where it runs
+    stock's full head on some row (a fallback, on the caller's thread count): such a call's time is that head's, not
+    the thread choice's, and one of them in a window of six moved the tuner's mean to one thread for a probe
+    interval (docs/benchmarks.md §9.1)."""
+    if getattr(_CALLER, "n", None) is not None:
+        _CALLER.untimed = True
+
+
 def cuda_reason(weight) -> Optional[str]:
     """Why a guarded head on a CUDA device runs the full head (None where the guard does not decide so)."""
     if weight.device.type != "cuda" or weight.numel() < MIN_WEIGHTS or not SpeedGuard.enabled():
@@ -118,7 +127,7 @@ def cuda_reason(weight) -> Optional[str]:
 class _Key:
     """One key's record: the two arms (``a`` wins a draw, ``b`` must beat it by the margin), their windows."""
 
-    __slots__ = ("a", "b", "win", "best", "start", "n", "probe", "wait", "seen")
+    __slots__ = ("a", "b", "win", "best", "start", "n", "probe", "wait", "seen", "steady", "pending")
 
     def __init__(self, a, b, start, window: int, probe: int, wait: bool):
         self.a, self.b, self.start, self.best = a, b, start, start
@@ -126,6 +135,9 @@ class _Key:
         self.n, self.probe, self.seen = 0, probe, False
         # the other arm's first try waits for a probe (a large call's first certified try: SpeedGuard)
         self.wait = wait
+        # steady: both arms past their warm-up or probe and no switch since, so a pick is the chosen arm or a probe;
+        # pending: samples of the chosen arm (``best``) not yet in its window (Controller's ``batch``)
+        self.steady, self.pending = False, []
 
     def other(self, arm):
         return self.b if arm == self.a else self.a
@@ -153,11 +165,17 @@ class Controller:
     probed 100·(ratio − 1) calls apart (between ``max_probe`` and ``max_clear``), so that probing costs about 2 %
     of the time. ``skip_first``: the first sample of the start arm, where it is that arm, is dropped (a first call
     may include one-off work).
+
+    ``batch``: in the steady state (both arms measured, no warm-up or probe running), the chosen arm's samples are
+    kept aside and folded into its window ``batch`` at a time, each in turn as :meth:`record` would, so decisions
+    are the same ones, up to ``batch - 1`` calls later; a call then costs a counter and a list append (the steps of
+    a decode loop run on a cold cache, where each extra line of bookkeeping shows; docs/benchmarks.md §2).
     """
 
     def __init__(self, window: int, probe: int, max_probe: int, margin: float, stat: str = "median",
                  warm: Optional[dict] = None, probe_calls: Optional[dict] = None, alternate: bool = False,
-                 clear: Optional[float] = None, max_clear: int = 512, skip_first: Optional[str] = None):
+                 clear: Optional[float] = None, max_clear: int = 512, skip_first: Optional[str] = None,
+                 batch: int = 1):
         if stat not in ("median", "mean"):
             raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
         self.window, self.probe0, self.max_probe, self.margin = window, probe, max_probe, margin
@@ -166,6 +184,9 @@ class Controller:
         self.probe_calls = dict(probe_calls or self.warm)
         if min(*self.warm.values(), *self.probe_calls.values()) < 1:
             raise ValueError("warm-up and probe counts must be at least 1 (a decision needs a sample of each arm)")
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        self.batch = batch
         self.alternate, self.clear, self.max_clear, self.skip_first = alternate, clear, max_clear, skip_first
         self._lock = threading.Lock()
         self._state: dict = {}
@@ -191,6 +212,9 @@ class Controller:
                 st = self._state[key] = _Key(a, b, start, self.window,
                                              self.max_probe if wait else self.probe0, wait)
             st.n += 1
+            if st.steady and st.n % st.probe:  # the steady state's common case: steps 2 and 3 do not apply
+                return st.best
+            self._fold(st)  # (the kept samples belong to the windows this pick reads)
             best, other = st.best, st.other(st.best)
             short_best = len(st.win[best]) < self.warm[self._role(st, best)]
             short_other = len(st.win[other]) < self.probe_calls[self._role(st, other)] and not st.wait
@@ -203,31 +227,53 @@ class Controller:
                 return other
             if st.n % st.probe == 0:
                 st.win[other].clear()
+                st.steady = False
                 return other
+            st.steady = True
             return best
 
     def record(self, key: Hashable, arm, seconds: float) -> None:
         with self._lock:
             st = self._state[key]
-            if arm == st.start == self.skip_first and not st.seen:
-                st.seen = True
+            if st.steady and arm == st.best and len(st.pending) < self.batch - 1:
+                st.pending.append(seconds)
                 return
-            if arm != st.best:
-                st.wait = False
-            st.win[arm].append(seconds)
-            if self._ready(st):
-                ta, tb = self._stat(st.win[st.a]), self._stat(st.win[st.b])
-                best = st.b if tb < self.margin * ta else st.a
-                if best == st.best:
-                    if arm != best:  # a probe confirmed the choice
-                        st.probe = min(self.max_probe, st.probe * 2)
-                else:
-                    st.best, st.probe = best, self.probe0
-                if self.clear is not None:
-                    lose, win = (ta, tb) if best == st.b else (tb, ta)
-                    if lose > self.clear * win:
-                        # a clear loser: a probe costs about its extra time; this interval keeps that near 2 %
-                        st.probe = max(self.max_probe, min(self.max_clear, int(100 * (lose / win - 1))))
+            probe = arm != st.best  # (as picked: the fold below may switch)
+            self._fold(st)
+            self._add(st, arm, seconds, probe=probe)
+
+    def _fold(self, st: _Key) -> None:
+        """Fold the chosen arm's kept samples into its window, in order (under the lock)."""
+        if st.pending:
+            pending, st.pending, arm = st.pending, [], st.best
+            for s in pending:  # (the chosen arm's samples, not probes: also after a switch among them)
+                self._add(st, arm, s, probe=False)
+
+    def _add(self, st: _Key, arm, seconds: float, probe: Optional[bool] = None) -> None:
+        """One sample of ``arm``: into its window, then the decision (the class docstring's :meth:`record`);
+        ``probe``: whether the sample is a probe's (default: ``arm`` is not the chosen one)."""
+        if arm == st.start == self.skip_first and not st.seen:
+            st.seen = True
+            return
+        if probe is None:
+            probe = arm != st.best
+        if arm != st.best:
+            st.wait = st.steady = False
+        st.win[arm].append(seconds)
+        if self._ready(st):
+            ta, tb = self._stat(st.win[st.a]), self._stat(st.win[st.b])
+            best = st.b if tb < self.margin * ta else st.a
+            if best == st.best:
+                if probe:  # a probe confirmed the choice
+                    st.probe = min(self.max_probe, st.probe * 2)
+            else:
+                st.best, st.probe = best, self.probe0
+                st.steady = False  # the new choice may still need its warm-up (pick's step 2)
+            if self.clear is not None:
+                lose, win = (ta, tb) if best == st.b else (tb, ta)
+                if lose > self.clear * win:
+                    # a clear loser: a probe costs about its extra time; this interval keeps that near 2 %
+                    st.probe = max(self.max_probe, min(self.max_clear, int(100 * (lose / win - 1))))
 
     def best(self, key: Hashable):
         """The current choice for ``key`` (None before any call)."""
@@ -247,11 +293,12 @@ class SpeedGuard:
     wins a draw) and ``"f"`` (full, chosen where its median beats 0.95 of the certified one's)."""
 
     def __init__(self, window: int = 6, probe: int = 16, max_probe: int = 128, margin: float = 0.95,
-                 max_clear: int = 512):
+                 max_clear: int = 512, batch: int = 4):
         # warm-up: 3 certified calls (the first one's sample dropped) and 2 full ones; a probe of a losing
         # certified head is one call, of the full head two
         self._ctl = Controller(window, probe, max_probe, margin, stat="median", warm={"a": 3, "b": 2},
-                               probe_calls={"a": 1, "b": 2}, clear=1.5, max_clear=max_clear, skip_first="c")
+                               probe_calls={"a": 1, "b": 2}, clear=1.5, max_clear=max_clear, skip_first="c",
+                               batch=batch)
         self._state = self._ctl._state
 
     @property
@@ -298,12 +345,13 @@ class ThreadTuner:
     thread's mean), both warmed up three calls each, interleaved; a probe is three calls in a row.
 
     This only changes speed, never results: the bounds are rigorous for any summation order, and the callers
-    run the exact recompute on the caller's thread count (:func:`caller_threads`).
+    run the exact recompute on the caller's thread count (:func:`caller_threads`). A call that ran stock's full
+    head on some row is not recorded (:func:`untimed`).
     ``HF_CSV_HEAD_THREADS``: ``auto`` (default), or a fixed count (``1``, ``2`` …) to disable tuning."""
 
-    def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9):
+    def __init__(self, window: int = 6, probe: int = 8, max_probe: int = 64, margin: float = 0.9, batch: int = 4):
         self._ctl = Controller(window, probe, max_probe, margin, stat="mean", warm={"a": 3, "b": 3},
-                               alternate=True)
+                               alternate=True, batch=batch)
 
     @staticmethod
     def _fixed() -> Optional[int]:
@@ -340,13 +388,13 @@ class ThreadTuner:
             n = self._pick(key, T)
         else:
             n = fixed if fixed is not None else T
-        prev = getattr(_CALLER, "n", None)
-        _CALLER.n = T
+        prev, prev_untimed = getattr(_CALLER, "n", None), getattr(_CALLER, "untimed", False)
+        _CALLER.n, _CALLER.untimed = T, False
         t0 = time.perf_counter()
         try:
             with intra_op_threads(n):
                 yield n
+            if tuned and not _CALLER.untimed:
+                self._record(key, n, T, time.perf_counter() - t0)
         finally:
-            _CALLER.n = prev
-        if tuned:
-            self._record(key, n, T, time.perf_counter() - t0)
+            _CALLER.n, _CALLER.untimed = prev, prev_untimed

@@ -91,6 +91,11 @@ class StepState:
     # (hf_csv.speed): (guard, key, certified, seconds in the head) or None
     guard_pending: Optional[tuple] = None
     guard_last: Optional[tuple] = None  # (guard, key) of the last completed record: the call's summary reports it
+    # the call's speed guard, read once per call (None: not guarded, or HF_CSV_SPEED_GUARD=0 when the call began),
+    # and the last guard key with what it was built from (plan, rows bucket, threads): :func:`guard_key`
+    guard: Any = None
+    guard_read: bool = False
+    gkey: Optional[tuple] = None
     spec_pending: bool = False  # Bounded plan: a head call's bounds wait for hf_csv's verify
     spec_full_next: bool = False  # Bounded plan: the next head call is read by stock's sampler itself (no drafts)
 
@@ -253,9 +258,9 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
         sess.note("the int8 screen is still being packed (first call): full head for these steps")
         return _full(sess, inner, hidden)
-    guard = None if sess.entry is None else sess.entry.guard
+    guard = _call_guard(sess)
     gkey = None
-    if guard is not None and guard.enabled():
+    if guard is not None:
         flush_guard(sess)  # a record the check did not complete (it did not run after that head call)
         gkey = guard_key(sess, H.shape[0])
         if not guard.certified(gkey, rows=H.shape[0]):
@@ -337,9 +342,24 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
     return [sess.step.fed_total - (P - 1 - p) for p in range(P)]
 
 
+def _call_guard(sess: Any) -> Any:
+    """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call began)."""
+    st = sess.step
+    if not st.guard_read:
+        guard = None if sess.entry is None else sess.entry.guard
+        st.guard, st.guard_read = (guard if guard is not None and guard.enabled() else None), True
+    return st.guard
+
+
 def guard_key(sess: Any, rows: int) -> tuple:
     """The speed guard's key of a head call of ``rows`` rows in this session (hf_csv.speed)."""
-    return (*sess.plan.guard_tag, rows_bucket(rows), sess.out_dtype, torch.get_num_threads())
+    plan, bucket, threads = sess.plan, rows_bucket(rows), torch.get_num_threads()
+    got = sess.step.gkey
+    if got is not None and got[0] is plan and got[1] == bucket and got[2] == threads:
+        return got[3]  # (a decode step's key is the previous step's)
+    key = (*plan.guard_tag, bucket, sess.out_dtype, threads)
+    sess.step.gkey = (plan, bucket, threads, key)
+    return key
 
 
 def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: float, hidden: torch.Tensor) -> None:
@@ -347,7 +367,7 @@ def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: 
 
     When a check runs after a one-position head call (``plan.verify``, not assisted), the step's cost of each side
     includes what the check does for it: the certificate's check on a certified row, stock's warper on a full one
-    (the Nucleus check replaces stock's top-p warper, whose sort over V costs about a third of SmolLM2's head). The
+    (the Nucleus check replaces stock's top-p warper and its sort over V). The
     guard then compares whole steps, not head calls (hf_csv.speed)."""
     sess.step.guard_pending = (guard, gkey, certified, seconds)
     one = hidden.dim() < 3 or hidden.shape[-2] == 1

@@ -208,7 +208,7 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
     if weight is not None and outlier_cols.numel():
         if tuple(weight.shape) != (V, d):
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
-        # one gather of the k columns (index_select: about half the time of W[:, J] on Gemma-3's head)
+        # one gather of the k columns
         w_out = weight.index_select(1, outlier_cols).to(torch.float32).contiguous()  # fp32/bf16/fp16 -> fp32 is exact
         return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device), _w8(w_out))
     w_out = (rows.q[:, outlier_cols].float() * rows.scale[:, None]).contiguous()
