@@ -2,7 +2,7 @@
 reference (hf_csv_kernels.{screen,gather,cluster,residual}).
 
 Registered by :mod:`hf_csv_kernels.dispatch` through ``OPS`` for CUDA tensors. Tested against the
-references on CPU with ``TRITON_INTERPRET=1`` (tests/test_triton_kernels.py). Importing this module
+references on CPU with ``TRITON_INTERPRET=1`` (tests/test_kernels_triton_ops.py). Importing this module
 without triton raises ImportError, which the dispatcher treats as "no Triton backend".
 """
 from __future__ import annotations

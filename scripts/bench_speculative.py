@@ -399,7 +399,7 @@ def _gumbel_reference(tok, tm, dm, prompt: str, gen_kw: dict, cfg, seed: int, n:
     argmax(stock's processed row + g_t) with the call's keyed noise g. The reference: *stock* plain sampling (no
     assistant, no csv) with a last processor that makes that same draw on stock's full processed rows. Token-for-token
     equality with the certified assisted call checks the certificate and the coupling end to end (the law is then
-    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_gumbel_coupled.py)."""
+    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_verify.py)."""
     from hf_csv.verify import gumbel_reference
 
     x = dict(tok(prompt, return_tensors="pt"))

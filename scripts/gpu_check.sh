@@ -12,7 +12,7 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)';
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tee "$OUT/triton_tests.log" | tail -25
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton_ops.py tests/test_kernels_dispatch.py::test_dispatch_picks_triton_only_on_cuda 2>&1 | tee "$OUT/triton_tests.log" | tail -25
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
 for vd in "151936 1536" "262144 640" "128256 4096"; do set -- $vd
   timeout 60 python3 scripts/bench_kernels.py --json "$OUT/kernels_${1}x${2}.json" --vocab "$1" --hidden "$2" --reps 50 2>&1 | tail -30

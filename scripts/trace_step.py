@@ -29,7 +29,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
-from test_generate import tiny_llama  # noqa: E402  (the tests' tiny random Llama: one definition)
+from conftest import tiny_llama  # noqa: E402  (the tests' tiny random Llama: one definition)
 
 _OURS = ("hf_csv.", "hf_csv_kernels.")
 

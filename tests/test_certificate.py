@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
@@ -387,7 +388,7 @@ def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_valu
     is a wider top-k: hf_csv.config.lowered_k), nor top-k sampling with stock's sampler or scores returned to the
     caller (they need stock's op on S)."""
     import hf_csv
-    from test_generate import tiny_llama
+    from conftest import tiny_llama
 
     m = hf_csv.enable(tiny_llama(scale=20.0))
     calls = []
@@ -409,3 +410,22 @@ def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_valu
         m.generate(ids, max_new_tokens=4, csv_config=c, **gen)
         # (top-k sampling may run hf_csv's own draw instead of a top-k call where stock's values on S cannot be had)
         assert (bool(calls) and set(calls) == {True}) if want else True not in calls, (gen, calls)
+
+
+def test_prepare_packs_now_and_keeps_the_later_work_in_the_background():
+    """CertifiedHead.prepare (an engine's load step: hf_csv.vllm_plugin.prebuild) calibrates and packs in the calling
+    thread, so the first certified call finds the screen ready; the provider's background setting is left as it was
+    (the columns' re-choice from the first real rows stays off the decode path), and results are the same."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(70000, 64, generator=g) * 0.05
+    H = torch.randn(3, 64, generator=g) * 3
+    a, b = CertifiedHead(W, background=True), CertifiedHead(W)
+    a.prepare(torch.randn(1, 64, generator=g))
+    assert a.provider.ready() and a.provider.background
+    st = a.provider.state
+    assert st.outliers.err_rest is not None  # the exact outlier columns (a large head defers them otherwise)
+    if st.native is not None:  # the native kernel: the interleaved codes already in place
+        assert st.native[1] and st.packed is None
+    ra, rb = a.topk(H), b.topk(H)
+    assert torch.equal(ra.logits.argmax(1), rb.logits.argmax(1))
+    assert torch.equal(ra.logits.argmax(1), F.linear(H, W).argmax(1))

@@ -12,7 +12,7 @@ import torch
 import hf_csv
 from hf_csv import CSVArtifact, CSVConfig, IndexFormatError
 
-from test_generate import tiny_llama
+from conftest import tiny_llama
 
 
 @pytest.mark.parametrize("name", ["./artifacts/smol", "~/no/such/artifact", "artifacts/x/y", "/tmp/hf-csv-none"])

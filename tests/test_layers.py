@@ -1,5 +1,5 @@
 """The layering of docs/design.md: kernels import neither hf_csv nor transformers, the core does not import
-transformers, and imports between hf_csv's modules run one way (no cycle)."""
+transformers, and imports between hf_csv's modules run one way (no cycle); the tests mirror the package layout."""
 from __future__ import annotations
 
 import ast
@@ -115,3 +115,35 @@ def test_a_certified_greedy_step_passes_through_five_modules_without_going_back(
         assert set(r["modules"]) == want | {"hf_csv_kernels.native"}, r["modules"]
     rp = trace(repetition_penalty=1.3)
     assert "certified 6/6 rows" in rp["certified"] and len(rp["call_backs"]) <= 1, rp
+
+
+# the tests span the whole stack (several modules end to end, a script, or an engine); every other test file mirrors one
+# module: tests/test_<m>.py for hf_csv/<m>.py (hf_csv/_compat.py: test_compat.py), tests/test_kernels_<m>.py for
+# hf_csv_kernels/<m>.py (docs/design.md, "Tests")
+WHOLE_STACK = {"test_differential.py", "test_trust.py", "test_trust_round2.py", "test_real_weights.py",
+               "test_first_hour.py", "test_layers.py", "test_cuda.py", "test_vllm_engine.py", "test_whisper_draft.py"}
+
+
+def _mirrors() -> dict[str, str]:
+    """test file name -> the module it mirrors."""
+    out = {}
+    for package, prefix in (("hf_csv", "test_"), ("hf_csv_kernels", "test_kernels_")):
+        for p in (ROOT / package).glob("*.py"):
+            if p.stem != "__init__":
+                out[f"{prefix}{p.stem.lstrip('_')}.py"] = f"{package}/{p.name}"
+    return out
+
+
+def test_tests_mirror_the_package_layout():
+    """Every module of hf_csv and hf_csv_kernels has its mirror test file, and every tests/test_*.py is a mirror or one
+    of the whole-stack files: a new module without tests, or a test file named after a feature, fails here."""
+    tests = ROOT / "tests"
+    mirrors = _mirrors()
+    have = {p.name for p in tests.glob("test_*.py")}
+    missing = sorted(f"{m} (tests/{t})" for t, m in mirrors.items() if t not in have)
+    stray = sorted(have - set(mirrors) - WHOLE_STACK)
+    assert not missing, f"modules without their test file: {missing}"
+    assert not stray, f"test files that mirror no module and are not whole-stack: {stray}"
+    assert not WHOLE_STACK & set(mirrors), WHOLE_STACK & set(mirrors)
+    # flat: a tests/hf_csv/ folder would shadow the package under pytest's default import mode
+    assert not [p for p in tests.glob("*/**/test_*.py") if "__pycache__" not in p.parts]

@@ -14,7 +14,7 @@ from hf_csv import CSVConfig
 from hf_csv.errors import CSVError
 from hf_csv.patches import TOUCH_POINTS, instance_override
 
-from test_generate import tiny_llama
+from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTANCE = {p.target: p for p in TOUCH_POINTS if p.kind == "instance"}

@@ -18,10 +18,9 @@ from scipy import stats as sps
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hf_csv
-from conftest import SHARED, model_dir, tokenizer
+from conftest import SHARED, _ids, model_dir, tiny_llama, tokenizer
 from hf_csv import CertifiedHead, CSVConfig
 from hf_csv.errors import CSVError, FingerprintMismatchError
-from test_generate import _ids, tiny_llama
 
 ALPHA = 1e-3
 

@@ -13,7 +13,7 @@ import torch
 
 import hf_csv
 from hf_csv import CSVConfig
-from test_generate import _ids, tiny_llama
+from conftest import _ids, tiny_llama
 
 ALPHA = 1e-3
 

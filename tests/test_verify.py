@@ -1,226 +1,320 @@
-"""Tests of the fast verify step (hf_csv_kernels.verify) and its transformers patch (hf_csv.verify).
-
-Statistical tests: fixed seeds, chi-square at significance level ALPHA = 0.001, bins with an
-expected count < 5 merged into one. Each test compares the empirical law of the emitted tokens
-with the analytic law of speculative sampling (which is the target's) and, where stated, with the
-stock ``transformers`` function run on the same inputs. ``test_chi_square_has_power`` checks the
-same machinery does reject a lossy verify.
-"""
+"""hf_csv.verify: the scoped patch of transformers' ``_speculative_sampling`` (mechanics, stock's signature, versions)
+and assisted sampling through it: the certified target ("spec", docs/speculative.md) with stock's law, and
+Gumbel-coupled sampling, ``CSVConfig(speculative="gumbel")``, whose tokens are a stock keyed draw whatever the draft."""
 from __future__ import annotations
 
-import math
+import copy
+import os
+import random
 import threading
 import warnings
 from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-import inspect
+import transformers
+import transformers.generation.utils as gen_utils
 
-from scipy import stats
-
-import hf_csv_kernels.verify as kv
+from hf_csv import CSVConfig
 from hf_csv.errors import UnsupportedVersionError
-from hf_csv.verify import (
-    LossyVerifyWarning,
-    patch_speculative_sampling,
-    speculative_sampling_exact,
-)
+from hf_csv.verify import gumbel_reference, LossyVerifyWarning, patch_speculative_sampling, speculative_sampling_exact
 
-transformers = pytest.importorskip("transformers")
-from transformers.generation import utils as gen_utils  # noqa: E402
-
-STOCK = gen_utils._speculative_sampling
-_EXTRA = tuple(inspect.signature(STOCK).parameters)[4]  # 5.x: assistant_ensemble_weight; 4.57: is_done_candidate
+from conftest import ALPHA, spec_llama, _two_sample_p
+from test_differential import _build
+from verify_laws import draw_drafts, _EXTRA, make_case, run_stock, STOCK, stock, two_sample_pvalue, _X
 
 
-_X = (False,) if _EXTRA == "is_done_candidate" else ()  # the fifth argument stock's caller passes
+def test_assisted_sampling_uses_the_patch_and_restores(assist_pair, monkeypatch):
+    """Without a top-k warper assisted sampling runs hf_csv's exact verify (the certified one in mode spec, or the
+    exact one on full rows); with one, the checked top-K rows go to stock's verify (test_candidate.py)."""
+    target, draft = assist_pair
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    stock = gen_utils._speculative_sampling
+    calls = []
+    import hf_csv.verify as hv
+    orig_impl, orig_cert = hv._IMPLS["exact"], hv.speculative_sampling_certified
+    monkeypatch.setitem(hv._IMPLS, "exact", lambda *a, **k: (calls.append(1), orig_impl(*a, **k))[1])
+    monkeypatch.setattr(hv, "speculative_sampling_certified", lambda *a, **k: (calls.append(2), orig_cert(*a, **k))[1])
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=True, top_k=0,
+                          csv_config=CSVConfig())
+    assert calls, "assisted sampling under csv_config must run hf_csv's exact verify"
+    assert gen_utils._speculative_sampling is stock
+    assert out.shape[1] > ids.shape[1] and (out >= 0).all() and (out < 96).all()
+    with pytest.warns(LossyVerifyWarning):
+        target.generate(ids, assistant_model=draft, max_new_tokens=6, do_sample=True,
+                        csv_config=CSVConfig(speculative="sigmoid"))
+    assert gen_utils._speculative_sampling is stock
 
 
-def stock(*args, **kw):
-    """Stock ``_speculative_sampling`` (4.57: is_done_candidate=False; its ensemble weight does not exist)."""
-    if _EXTRA == "is_done_candidate":
-        if kw.pop("assistant_ensemble_weight", None) is not None:
-            pytest.skip("transformers 4.57 has no assistant_ensemble_weight")
-        kw.setdefault("is_done_candidate", False)
-    return STOCK(*args, **kw)
-ALPHA = 0.001  # significance level of every statistical test in this file
+SPEC_SETTINGS = {
+    "plain_T1": dict(top_k=0, temperature=1.0),
+    "T0.7": dict(top_k=0, temperature=0.7),
+    "qwen_chat": dict(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05),
+}
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add wake-up latency on a loaded 2-core machine (stock's
-    softmax took ~0.4 ms per call with 2 threads), so run this module single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_case(V: int, L: int, seed: int, sub: int | None = None, noise: float = 1.0):
-    """Target logits [L+1, V], draft logits [L, V] (-inf outside a random sub-vocabulary of size
-    ``sub`` if given) and a generator."""
-    g = torch.Generator().manual_seed(seed)
-    zp = torch.randn(L + 1, V, generator=g) * 1.5
-    zq = zp[:L] + noise * torch.randn(L, V, generator=g)
-    if sub is not None:
-        for j in range(L):
-            keep = torch.randperm(V, generator=g)[:sub]
-            mask = torch.full((V,), float("-inf"))
-            mask[keep] = 0.0
-            zq[j] = zq[j] + mask
-    return zp, zq, g
-
-
-def draw_drafts(zq: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
-    """n independent draft sequences [n, L], x_j ~ softmax(zq[j])."""
-    q = torch.softmax(zq, -1)
-    return torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(zq.shape[0])], 1)
-
-
-def seq_law(zp: torch.Tensor, zq: torch.Tensor) -> dict[tuple[int, ...], float]:
-    """Analytic law of the emitted sequence of one verify with drafts x_j ~ q_j:
-    P(x_1..x_k, t) = prod_{j<k} min(p_j, q_j)(x_j) * (max(0, p_k - q_k)(t) if k < L else p_L(t))."""
-    p = torch.softmax(zp.double(), -1)
-    q = torch.softmax(zq.double(), -1)
-    L, V = zq.shape
-    law: dict[tuple[int, ...], float] = {}
-
-    def rec(prefix: tuple[int, ...], mass: float) -> None:
-        k = len(prefix)
-        last = (p[k] - q[k]).clamp_min(0) if k < L else p[L]
-        for t in range(V):
-            if last[t] > 0:
-                law[prefix + (t,)] = mass * float(last[t])
-        if k < L:
-            acc = torch.minimum(p[k], q[k])
-            for x in range(V):
-                if acc[x] > 0:
-                    rec(prefix + (x,), mass * float(acc[x]))
-
-    rec((), 1.0)
-    return law
-
-
-def n_t_law(zp: torch.Tensor, zq: torch.Tensor) -> dict[tuple[int, int], float]:
-    """Analytic law of (number accepted n, last emitted token t)."""
-    p = torch.softmax(zp.double(), -1)
-    q = torch.softmax(zq.double(), -1)
-    L, V = zq.shape
-    law, surv = {}, 1.0
-    for k in range(L + 1):
-        last = (p[k] - q[k]).clamp_min(0) if k < L else p[L]
-        for t in range(V):
-            if last[t] > 0:
-                law[(k, t)] = surv * float(last[t])
-        if k < L:
-            surv *= float(torch.minimum(p[k], q[k]).sum())
-    return law
-
-
-def gof_pvalue(counts: Counter, law: dict, n: int) -> float:
-    """Chi-square goodness of fit; bins with expected < 5 merged; outcomes outside the law's support
-    make the p-value 0 (an impossible outcome is a failure, not noise)."""
-    if any(k not in law for k in counts):
-        return 0.0
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for k, pr in law.items():
-        if pr * n >= 5:
-            obs.append(counts.get(k, 0))
-            exp.append(pr * n)
-        else:
-            rest_o += counts.get(k, 0)
-            rest_e += pr * n
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    exp = [e * n / sum(exp) for e in exp]  # renormalize float round-off
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
-def two_sample_pvalue(a: Counter, b: Counter) -> float:
-    """Chi-square test of homogeneity of two categorical samples (bins with < 10 total merged)."""
-    keys = sorted(set(a) | set(b))
-    big = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]
-    small = [k for k in keys if k not in big]
-    rows = [[a.get(k, 0) for k in big], [b.get(k, 0) for k in big]]
-    if small:
-        rows[0].append(sum(a.get(k, 0) for k in small))
-        rows[1].append(sum(b.get(k, 0) for k in small))
-    return float(stats.chi2_contingency(rows).pvalue)
-
-
-def run_ours(zp, zq, drafts, g, fn=kv.exact_verify, **kw) -> list[tuple[int, ...]]:
-    return [tuple(fn(d, zq, zp, generator=g, **kw).tokens.tolist()) for d in drafts]
-
-
-def run_stock(zp, zq, drafts, seed, **kw) -> list[tuple[int, ...]]:
-    torch.manual_seed(seed)  # stock draws from the global RNG
-    L = zq.shape[0]
-    prefix = torch.zeros(1, 3, dtype=torch.long)
-    out = []
-    for d in drafts:
-        cand = torch.cat([prefix, d[None]], 1)
-        valid, _ = stock(cand, zq[None], L, zp[None], **kw)
-        out.append(tuple(valid[0].tolist()))
-    return out
-
-
-# ----------------------------------------------------------------------------- exactness
-
-
+@pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
-@pytest.mark.parametrize("V,L,sub,seed", [(12, 3, None, 0), (16, 2, 9, 1), (8, 1, 5, 2)])
-def test_exact_matches_analytic_law_and_stock(V, L, sub, seed):
-    """(n, last token) and the first emitted token follow the analytic law (whose first-token
-    marginal is the target p_0), for both ours and stock, and ours and stock agree."""
-    N = 10000
-    zp, zq, g = make_case(V, L, seed, sub=sub)
-    drafts = draw_drafts(zq, N, g)
-    ours = run_ours(zp, zq, drafts, g)
-    stock = run_stock(zp, zq, drafts, seed)
-    law = n_t_law(zp, zq)
-    c_ours = Counter((len(s) - 1, s[-1]) for s in ours)
-    c_stock = Counter((len(s) - 1, s[-1]) for s in stock)
-    assert gof_pvalue(c_ours, law, N) > ALPHA
-    assert gof_pvalue(c_stock, law, N) > ALPHA
-    assert two_sample_pvalue(c_ours, c_stock) > ALPHA
-    # first emitted token ~ p_0 exactly (the theorem), for ours
-    p0 = torch.softmax(zp[0].double(), -1)
-    first = Counter(s[0] for s in ours)
-    assert gof_pvalue(first, {t: float(p0[t]) for t in range(V)}, N) > ALPHA
-    # acceptance rate matches sum_x min(p, q) at the first position (sanity of the ratio)
-    a0 = float(torch.minimum(torch.softmax(zp[0].double(), -1), torch.softmax(zq[0].double(), -1)).sum())
-    acc = sum(len(s) > 1 for s in ours) / N
-    assert abs(acc - a0) < 4 * math.sqrt(a0 * (1 - a0) / N) + 1e-9
+@pytest.mark.parametrize("name", sorted(SPEC_SETTINGS))
+def test_assisted_sampling_law_matches_stock(spec_pair, name):
+    """First two tokens of assisted sampling, stock vs certified target (+ sub-vocabulary draft and exact
+    verify): two-sample chi-square on the joint law, α = 1e-3, fixed seeds; the target's head is certified."""
+    target, draft = spec_pair
+    kw = dict(SPEC_SETTINGS[name], do_sample=True, max_new_tokens=2, num_assistant_tokens=3,
+              num_assistant_tokens_schedule="constant")
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    n = 700
+    obs_s, obs_c = Counter(), Counter()
+    stats = None
+    torch.manual_seed(11)
+    for _ in range(n):
+        out = target.generate(ids, assistant_model=draft, **kw)
+        obs_s[tuple(out[0, 5:7].tolist())] += 1
+    torch.manual_seed(12)
+    for i in range(n):
+        out = target.generate(ids, assistant_model=draft, csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True,
+                              **kw)
+        obs_c[tuple(out.sequences[0, 5:7].tolist())] += 1
+        if i == 0:
+            stats = out.csv_stats
+    assert stats["mode"] == ("topk" if name == "qwen_chat" else "spec"), stats["reasons"]
+    assert stats["certified"] > 0
+    if stats["mode"] == "spec":
+        sp = stats["speculative"]
+        assert sp["certified_verify_calls"] >= 1 and sp["target_rows"] >= 1
+    assert _two_sample_p(obs_s, obs_c) > ALPHA
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-def test_exact_full_sequence_law(lazy):
-    """Whole emitted sequences (accepted drafts + final token), V=8, L=2, vs the analytic law, for
-    the lazy (CPU default) and the batched (GPU default) paths."""
-    N = 10000
-    zp, zq, g = make_case(8, 2, seed=7, sub=6)
-    drafts = draw_drafts(zq, N, g)
-    c = Counter(run_ours(zp, zq, drafts, g, lazy=lazy))
-    assert gof_pvalue(c, seq_law(zp, zq), N) > ALPHA
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_spec_mode_counts_rows_and_certifies(spec_pair):
+    target, draft = spec_pair
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    out = target.generate(ids, assistant_model=draft, do_sample=True, top_k=0, max_new_tokens=24,
+                          csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True)
+    st = out.csv_stats
+    assert st["mode"] == "spec" and st["certified"] > 0
+    sp = st["speculative"]
+    # every row looked at was decided by the bounds or completed (a row can be both: accepted by its bounds
+    # and later... no: each counted row is decided once, the residual or bonus draw adds one more decision)
+    assert sp["target_rows"] >= 1 and sp["target_rows_by_bounds"] + sp["target_rows_completed"] >= sp["target_rows"]
+    assert sp["target_rows_by_bounds"] > 0
+    assert 0 <= sp["acceptance_rate"] <= 1
 
 
-def test_ensemble_weight_matches_stock():
-    """With stock's DIVERSE ensemble weight (lossy in both), ours follows stock's law."""
-    N = 4000
-    zp, zq, g = make_case(10, 2, seed=3)
-    drafts = draw_drafts(zq, N, g)
-    ours = Counter((len(s) - 1, s[-1]) for s in run_ours(zp, zq, drafts, g, ensemble_weight=0.6))
-    stock = Counter((len(s) - 1, s[-1]) for s in run_stock(zp, zq, drafts, 3, assistant_ensemble_weight=0.6))
-    assert two_sample_pvalue(ours, stock) > ALPHA
+IDS = torch.tensor([[5, 17, 33, 2, 9]])
 
 
+GUMBEL_SETTINGS = {
+    "plain_T1": dict(top_k=0, temperature=1.0),
+    "T0.7": dict(top_k=0, temperature=0.7),
+    "penalty_T1": dict(top_k=0, temperature=1.0, repetition_penalty=1.3),
+    "qwen_chat": dict(top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05),
+    "top_p_only": dict(top_k=0, top_p=0.9),
+}
+
+
+def _reference(model, seed: int, kw: dict) -> torch.Tensor:
+    """Stock plain sampling (hf_csv not involved) with the call's keyed draw last (hf_csv.verify.gumbel_reference)."""
+    return gumbel_reference(model, seed, input_ids=IDS, **kw)
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GUMBEL_SETTINGS))
+def test_gumbel_assisted_sampling_is_the_stock_keyed_draw_for_any_draft(trio, name):
+    """Token for token: the certified assisted call (target and draft heads certified) equals the stock reference,
+    with a close draft and with an unrelated one."""
+    target, close, other = trio
+    kw = dict(GUMBEL_SETTINGS[name], max_new_tokens=24)
+    cfg = CSVConfig(speculative="gumbel", budget=0.3)
+    for seed in range(3):
+        ref = _reference(target, seed, kw)
+        for draft in (close, other):
+            torch.manual_seed(seed)
+            out = target.generate(IDS, assistant_model=draft, do_sample=True, csv_config=cfg,
+                                  return_dict_in_generate=True, **kw)
+            assert torch.equal(out.sequences, ref), (name, seed, out.sequences, ref)
+            st = out.csv_stats
+            assert st["mode"] != "full" and st["certified"] > 0, st["reasons"]
+            assert st["draft"]["mode"] != "full" and st["draft"]["certified"] > 0, st["draft"]
+            assert st["speculative"]["certified_verify_calls"] == st["speculative"]["verify_calls"] > 0
+    # the coupling itself: a draft with the target's weights draws the target's tokens (same rows, same noise), so
+    # nearly every draft is accepted (not all: its one-token forwards round differently from the verify's L + 1)
+    torch.manual_seed(0)
+    acc = target.generate(IDS, assistant_model=copy.deepcopy(target), do_sample=True, csv_config=cfg,
+                          return_dict_in_generate=True, **kw).csv_stats["speculative"]["acceptance_rate"]
+    assert acc > 0.9, acc
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+@pytest.mark.slow
+def test_gumbel_assisted_sampling_with_full_heads_is_the_same_draw(trio):
+    """Where hf_csv uses stock's heads (draft_head='full'; the target's head over the budget) the coupled draws
+    happen on the full rows with the same noise: the same tokens."""
+    target, close, _ = trio
+    kw = dict(top_k=0, temperature=1.0, max_new_tokens=16)
+    ref = _reference(target, 3, kw)
+    for cfg in (CSVConfig(speculative="gumbel", draft_head="full"), CSVConfig(speculative="gumbel", budget=1)):
+        torch.manual_seed(3)
+        out = target.generate(IDS, assistant_model=close, do_sample=True, csv_config=cfg,
+                              return_dict_in_generate=True, **kw)
+        assert torch.equal(out.sequences, ref)
+    assert out.csv_stats["fallback"] > 0  # budget = 1 row: every row over it
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_gumbel_with_output_scores_draws_from_the_processed_rows(trio):
+    """output_scores=True: the target returns its processed rows as scores (here its checked top-K rows, not one-hot
+    draws) and the verify makes the keyed draws on them itself: the same tokens as the reference."""
+    target, close, _ = trio
+    kw = dict(top_k=20, temperature=0.7, max_new_tokens=12)
+    ref = _reference(target, 4, kw)
+    torch.manual_seed(4)
+    out = target.generate(IDS, assistant_model=close, do_sample=True, output_scores=True, return_dict_in_generate=True,
+                          csv_config=CSVConfig(speculative="gumbel", scores="subvocab", budget=0.3), **kw)
+    assert torch.equal(out.sequences, ref)
+    finite = [int(torch.isfinite(s).sum()) for s in out.scores]
+    assert max(finite) > 1, finite  # processed rows, not one-hot draws
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["plain_T1", "qwen_chat"])
+def test_gumbel_assisted_sampling_law_matches_stock(name):
+    """First two tokens: stock assisted sampling vs Gumbel-coupled (certified heads), two-sample chi-square,
+    α = 1e-3, fixed seeds (V = 256, so that the law has few categories)."""
+    import hf_csv
+
+    target = hf_csv.enable(spec_llama(0))
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    kw = dict(GUMBEL_SETTINGS[name], do_sample=True, max_new_tokens=2, num_assistant_tokens=3,
+              num_assistant_tokens_schedule="constant")
+    n = 700
+    obs_s, obs_c = Counter(), Counter()
+    torch.manual_seed(21)
+    for _ in range(n):
+        obs_s[tuple(target.generate(IDS, assistant_model=draft, **kw)[0, 5:7].tolist())] += 1
+    torch.manual_seed(22)
+    for i in range(n):
+        out = target.generate(IDS, assistant_model=draft, csv_config=CSVConfig(speculative="gumbel", budget=0.3),
+                              return_dict_in_generate=True, **kw)
+        obs_c[tuple(out.sequences[0, 5:7].tolist())] += 1
+        if i == 0:
+            assert out.csv_stats["mode"] != "full" and out.csv_stats["certified"] > 0
+    assert _two_sample_p(obs_s, obs_c) > ALPHA
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_gumbel_needs_an_assistant_model(trio):
+    """Prompt lookup has no assistant to couple with: hf_csv's exact verify, with the reason."""
+    target, _, _ = trio
+    ids = torch.tensor([[5, 17, 33, 5, 17, 33, 5, 17]])
+    out = target.generate(ids, prompt_lookup_num_tokens=3, do_sample=True, top_k=0, max_new_tokens=6,
+                          csv_config=CSVConfig(speculative="gumbel"), return_dict_in_generate=True)
+    assert any("couples an assistant" in r for r in out.csv_stats["reasons"])
+    from hf_csv.verify import patch_speculative_sampling
+
+    with pytest.raises(ValueError, match="keyed noise"):
+        patch_speculative_sampling("gumbel")
+
+
+GUMBEL_RESULTS: list = []
+
+
+def pytest_generate_tests(metafunc):
+    if "gumbel_case" in metafunc.fixturenames:
+        n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
+        metafunc.parametrize("gumbel_case", range(max(8, int(n) // 25)))
+
+
+def _gumbel_case(i: int) -> dict:
+    rng = random.Random(104729 * i + 3)
+    kw = {"top_k": rng.choice([0, 0, 20, 50]), "max_new_tokens": rng.randint(4, 16)}
+    if rng.random() < 0.6:
+        kw["temperature"] = rng.choice([0.7, 1.3])
+    if rng.random() < 0.3:
+        kw["top_p"] = 0.8
+    if rng.random() < 0.4:
+        kw["repetition_penalty"] = rng.choice([1.05, 1.3, 3.0])
+    if rng.random() < 0.15:
+        kw["min_p"] = 0.05
+    return {"arch": rng.choice(["llama", "qwen2", "gemma2", "gemma3", "cohere", "granite", "phi"]),
+            "seed": rng.randrange(4), "dtype": rng.choice([torch.float32, torch.bfloat16]),
+            "draft_noise": rng.choice([0.01, 0.05, 0.2]), "n_draft": rng.choice([2, 4, 8]),
+            "prompt_len": rng.randint(2, 8), "kw": kw, "sample": rng.randrange(1 << 16),
+            "draft_head": rng.choice(["subvocab", "subvocab", "full"]),
+            # the tiny fuzz heads' certified sets often exceed the default budget (V/8): mostly the whole V
+            "budget": rng.choice([None, 1.0, 1.0])}
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_gumbel_coupled_differential(gumbel_case):
+    """Fuzz over architectures, dtypes, draft quality and sampling settings: the certified Gumbel-coupled call returns
+    the tokens of the same call with stock's heads (output_logits for the target, draft_head='full'),
+    i.e. the keyed draws on stock's processed rows (the assisted forwards are the same, so is their rounding)."""
+    c = _gumbel_case(gumbel_case)
+    target = __import__("hf_csv").enable(_build(c["arch"], c["seed"]).to(c["dtype"]))
+    draft = _build(c["arch"], c["seed"]).to(c["dtype"])
+    g = torch.Generator().manual_seed(gumbel_case)
+    with torch.no_grad():
+        for prm in draft.model.layers.parameters():
+            prm.add_((c["draft_noise"] * torch.randn(prm.shape, generator=g)).to(prm.dtype))
+    draft.generation_config.num_assistant_tokens = c["n_draft"]
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.randint(3, target.config.vocab_size, (1, c["prompt_len"]), generator=g)
+    gen = dict(c["kw"], do_sample=True, pad_token_id=0)
+    torch.manual_seed(c["sample"])
+    # output_logits: the target's head is stock's for the call (the raw logits must be stock's); the draft's too
+    ref = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, output_logits=True, **gen,
+                          csv_config=CSVConfig(speculative="gumbel", draft_head="full"))
+    torch.manual_seed(c["sample"])
+    out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **gen,
+                          csv_config=CSVConfig(speculative="gumbel", draft_head=c["draft_head"],
+                                               **({} if c["budget"] is None else {"budget": c["budget"]})))
+    st = out.csv_stats
+    GUMBEL_RESULTS.append({"case": gumbel_case, "arch": c["arch"], "mode": st["mode"],
+                           "certified": st.get("certified", 0), "draft_certified": st.get("draft", {}).get("certified", 0)})
+    assert ref.csv_stats["mode"] == "full" and ref.csv_stats["draft"]["mode"] == "full"  # stock's rows
+    assert torch.equal(ref.sequences, out.sequences), f"gumbel case {gumbel_case} {c}: tokens differ"
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_gumbel_differential_summary():
+    """Runs after the cases: the certified heads must have run in most of them."""
+    if not GUMBEL_RESULTS:
+        pytest.skip("no Gumbel-coupled fuzz case ran in this session")
+    n = len(GUMBEL_RESULTS)
+    cert = sum(r["certified"] > 0 for r in GUMBEL_RESULTS)
+    print(f"\nhf_csv Gumbel-coupled fuzzer: {n} cases, {cert} with certified target rows")
+    assert cert >= n / 2, GUMBEL_RESULTS
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+@pytest.mark.parametrize("source", ["default", "model_config", "passed_config"])
+def test_gumbel_reference_reads_the_generation_config_warpers(trio, source):
+    """The warpers the call does not name come from the generation config (transformers' default top_k = 50, a model's
+    generation_config.json, or a generation_config passed): gumbel_reference ignored them before (issue 35, item 6)."""
+    from transformers import GenerationConfig
+
+    target, close, _ = trio
+    model = copy.deepcopy(target)
+    kw = dict(max_new_tokens=16)
+    if source == "model_config":
+        model.generation_config.top_k, model.generation_config.temperature = 7, 0.6
+    elif source == "passed_config":
+        kw["generation_config"] = GenerationConfig(top_k=5, top_p=0.9, max_new_tokens=16, pad_token_id=0)
+    cfg = CSVConfig(speculative="gumbel", budget=0.3)
+    for seed in range(2):
+        ref = gumbel_reference(model, seed, input_ids=IDS, **kw)
+        torch.manual_seed(seed)
+        out = model.generate(IDS, assistant_model=close, do_sample=True, csv_config=cfg, **kw)
+        assert torch.equal(out, ref), (source, seed)
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_is_done_candidate_keeps_the_drafts_without_a_bonus(monkeypatch):
     """transformers 4.57's contract: when every draft is accepted and the last one ends the sequence,
     return the L drafts and n = L - 1 (no bonus token). Exercised on every version through the dispatch."""
@@ -239,6 +333,7 @@ def test_is_done_candidate_keeps_the_drafts_without_a_bonus(monkeypatch):
         monkeypatch.setitem(hv._installed, "extra", "assistant_ensemble_weight")
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.skipif(_EXTRA != "is_done_candidate", reason="transformers 4.57 only")
 def test_is_done_candidate_law_matches_stock_457():
     """4.57, is_done_candidate=True: the patched verify's law equals stock's (alpha = ALPHA)."""
@@ -252,116 +347,7 @@ def test_is_done_candidate_law_matches_stock_457():
     assert two_sample_pvalue(ours, theirs) > ALPHA
 
 
-@pytest.mark.parametrize("V", [2048 + 77, 5000])
-def test_two_level_race_is_exact(V):
-    """The blocked exponential race (V > 4 * RACE_BLOCK, with a partial tail block) draws i with
-    probability w_i / sum w, including zero weights never being drawn."""
-    assert V > 4 * kv.RACE_BLOCK
-    g = torch.Generator().manual_seed(V)
-    w = torch.zeros(V)
-    support = torch.randperm(V, generator=g)[:15]
-    support[0] = V - 1  # a token in the tail block
-    w[support] = torch.rand(15, generator=g) + 0.05
-    N = 10000
-    c = Counter(int(kv._race(w.clone(), g)[0]) for _ in range(N))
-    law = {int(i): float(w[i] / w.sum()) for i in support}
-    assert gof_pvalue(c, law, N) > ALPHA
-
-
-def test_chi_square_has_power():
-    """Sanity of the statistical machinery: the lossy sigmoid verify is rejected against the target's law."""
-    N = 4000
-    zp, zq, g = make_case(12, 2, seed=5, noise=1.5)
-    drafts = draw_drafts(zq, N, g)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", LossyVerifyWarning)
-        c = Counter((len(s) - 1, s[-1]) for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_verify))
-    assert gof_pvalue(c, n_t_law(zp, zq), N) < ALPHA
-
-
-# ----------------------------------------------------------------------------- edge cases
-
-
-def test_all_accepted_when_draft_equals_target():
-    zp, _, g = make_case(50, 4, seed=11)
-    zq = zp[:4].clone()
-    for _ in range(200):
-        d = draw_drafts(zq, 1, g)[0]
-        r = kv.exact_verify(d, zq, zp, generator=g)
-        assert r.n_accepted == 4 and r.tokens[:4].tolist() == d.tolist() and 0 <= r.tokens[4] < 50
-
-
-def test_none_accepted_when_target_forbids_drafts():
-    zp, zq, g = make_case(40, 3, seed=12)
-    for _ in range(200):
-        d = draw_drafts(zq, 1, g)[0]
-        zp2 = zp.clone()
-        zp2[0, d[0]] = float("-inf")  # p(x_1) = 0: must be rejected, never accepted
-        banned = torch.isneginf(zp2[0])
-        r = kv.exact_verify(d, zq, zp2, generator=g)
-        assert r.n_accepted == 0 and r.tokens.shape == (1,)
-        assert not banned[r.tokens[0]]  # the residual never emits a p = 0 token
-
-
-def test_subvocab_draft_no_nan_and_valid():
-    """Draft logits -inf outside a sub-vocabulary (q = 0 there): no NaN, valid tokens, and the
-    residual can emit tokens outside the sub-vocabulary."""
-    V, L = 300, 3
-    zp, zq, g = make_case(V, L, seed=13, sub=20, noise=2.0)
-    outside = set()
-    for _ in range(300):
-        d = draw_drafts(zq, 1, g)[0]
-        for lazy in (True, False):
-            r = kv.exact_verify(d, zq, zp, generator=g, lazy=lazy)
-            assert r.tokens.dtype == torch.long and 0 <= r.n_accepted <= L
-            assert r.tokens.shape == (r.n_accepted + 1,)
-            assert ((r.tokens >= 0) & (r.tokens < V)).all()
-            if r.n_accepted < L and torch.isneginf(zq[r.n_accepted, r.tokens[-1]]):
-                outside.add(int(r.tokens[-1]))
-    assert outside  # tokens the draft cannot propose still get their target mass
-
-
-def test_zero_draft_probability_is_a_caller_bug():
-    zp, zq, _ = make_case(20, 2, seed=14, sub=5)
-    bad = torch.tensor([int(torch.isneginf(zq[0]).nonzero()[0]), 0])
-    with pytest.raises(kv.DraftProbabilityError):
-        kv.exact_verify(bad, zq, zp)
-    with pytest.raises(ValueError):  # DraftProbabilityError is a ValueError
-        speculative_sampling_exact(torch.cat([torch.zeros(2, dtype=torch.long), bad])[None], zq[None], 2, zp[None])
-
-
-def test_all_inf_row_raises_not_nan():
-    zp, zq, _ = make_case(20, 1, seed=15)
-    zp[0] = float("-inf")
-    with pytest.raises(kv.DraftProbabilityError):
-        kv.exact_verify(torch.tensor([3]), zq, zp)
-
-
-def test_vanished_residual_falls_back_to_target(monkeypatch):
-    """If the residual max(0, p - q) is numerically all zero at a rejected row (p == q to float
-    precision), the token is drawn from p -- never NaN, never a p = 0 token."""
-    w = torch.zeros(3000)
-    assert kv._race(w, None)[1] is False  # all-zero weights are reported, not silently index 0
-    real = kv._race
-    state = {"first": True}
-
-    def fake(weights, generator):
-        if state["first"]:
-            state["first"] = False
-            return torch.tensor(0), False
-        return real(weights, generator)
-
-    monkeypatch.setattr(kv, "_race", fake)
-    zp, zq, g = make_case(30, 1, seed=16)
-    d = draw_drafts(zq, 1, g)[0]
-    zp[0, d[0]] = float("-inf")  # forces the rejection
-    zp[0, 0] = float("-inf")  # the fake's index: must not leak out
-    for _ in range(50):
-        state["first"] = True
-        r = kv.exact_verify(d, zq, zp, generator=g)
-        assert r.n_accepted == 0 and not torch.isneginf(zp[0, r.tokens[0]])
-
-
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("L", [1, 2, 5])
 def test_stock_signature_shapes_and_dtypes(L):
     zp, zq, g = make_case(64, L, seed=17)
@@ -376,53 +362,7 @@ def test_stock_signature_shapes_and_dtypes(L):
         speculative_sampling_exact(cand.repeat(2, 1), zq[None].repeat(2, 1, 1), L, zp[None].repeat(2, 1, 1))
 
 
-def test_draft_length_zero_is_bonus_only():
-    zp, _, g = make_case(10, 0, seed=18)
-    r = kv.exact_verify(torch.zeros(0, dtype=torch.long), torch.zeros(0, 10), zp, generator=g)
-    assert r.n_accepted == 0 and r.tokens.shape == (1,)
-
-
-@settings(max_examples=40, deadline=None)
-@given(V=st.integers(2, 3000), L=st.integers(1, 4), sub=st.integers(1, 50), seed=st.integers(0, 10_000),
-       scale=st.floats(0.1, 60.0))
-def test_property_no_nan_valid_output(V, L, sub, seed, scale):
-    """Any logits (huge scales underflow softmax to 0 in fp32; -inf outside a sub-vocabulary):
-    valid tokens, never a p = 0 or NaN-driven choice."""
-    g = torch.Generator().manual_seed(seed)
-    zp = torch.randn(L + 1, V, generator=g) * scale
-    zq = torch.randn(L, V, generator=g) * scale
-    if sub < V:
-        zq[:, torch.randperm(V, generator=g)[sub:]] = float("-inf")
-    zp[:, torch.randperm(V, generator=g)[: V // 3]] = float("-inf")
-    zp[:, zp[0].argmax()] = 0.0  # keep every target row normalizable
-    d = draw_drafts(zq, 1, g)[0]
-    r = kv.exact_verify(d, zq, zp, generator=g)
-    assert r.tokens.shape == (r.n_accepted + 1,)
-    assert not torch.isneginf(zp[r.n_accepted, r.tokens[-1]])
-    assert all(not torch.isneginf(zp[j, d[j]]) for j in range(r.n_accepted))
-
-
-# ----------------------------------------------------------------------------- sigmoid
-
-
-def test_sigmoid_kernel_warns_once_and_matches_its_analytic_law():
-    kv._reset_sigmoid_warning()
-    zp, zq, g = make_case(12, 1, seed=19, noise=1.5)
-    with pytest.warns(LossyVerifyWarning):
-        kv.sigmoid_verify(torch.tensor([0]), zq, zp, generator=g)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LossyVerifyWarning)
-        kv.sigmoid_verify(torch.tensor([0]), zq, zp, generator=g)  # second call: silent
-    N = 6000
-    drafts = draw_drafts(zq, N, g)
-    first = Counter(s[0] for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_verify))
-    law, p_acc = kv.sigmoid_first_token_distribution(zq[0], zp[0])
-    assert gof_pvalue(first, {t: float(law[t]) for t in range(12)}, N) > ALPHA
-    assert p_acc > 0.99  # saturation: nearly everything accepted
-    tv = 0.5 * float((law - torch.softmax(zp[0].double(), -1)).abs().sum())
-    assert tv > 0.05  # lossy, measurably
-
-
+@pytest.mark.usefixtures("one_thread")
 def test_sigmoid_patch_warns_on_entry():
     with pytest.warns(LossyVerifyWarning):
         with patch_speculative_sampling("sigmoid") as h:
@@ -430,9 +370,7 @@ def test_sigmoid_patch_warns_on_entry():
     assert gen_utils._speculative_sampling is STOCK
 
 
-# ----------------------------------------------------------------------------- patch mechanics
-
-
+@pytest.mark.usefixtures("one_thread")
 def test_patch_restores_on_exit_and_exception_and_nests():
     assert gen_utils._speculative_sampling is STOCK
     with patch_speculative_sampling() as outer:
@@ -452,6 +390,7 @@ def test_patch_restores_on_exit_and_exception_and_nests():
     assert gen_utils._speculative_sampling is STOCK
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_patch_is_thread_local():
     zp, zq, g = make_case(16, 2, seed=20)
     d = draw_drafts(zq, 1, g)[0]
@@ -480,6 +419,7 @@ def test_patch_is_thread_local():
     assert gen_utils._speculative_sampling is STOCK
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_unknown_transformers_version_fails_clearly(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "9.99.0")
     with pytest.raises(UnsupportedVersionError, match="9.99.0"):
@@ -488,12 +428,10 @@ def test_unknown_transformers_version_fails_clearly(monkeypatch):
     assert gen_utils._speculative_sampling is STOCK
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_bad_mode():
     with pytest.raises(ValueError):
         patch_speculative_sampling("fast")  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------------------- end to end
 
 
 def _tiny_llamas():
@@ -511,6 +449,7 @@ def _tiny_llamas():
     return target, assistant
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_end_to_end_assisted_generate():
     target, assistant = _tiny_llamas()
     ids = torch.tensor([[1, 5, 9, 22, 40]])

@@ -12,7 +12,7 @@ import torch
 
 import hf_csv
 from hf_csv import CSVConfig
-from test_generate_extra import _tiny_whisper
+from conftest import _tiny_whisper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import _speech  # noqa: E402

@@ -167,20 +167,6 @@ def test_residual_race_is_an_exact_draw():
     assert stats.chisquare(counts[keep].numpy(), (r[keep] * n).numpy()).pvalue > 1e-3
 
 
-def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
-    from hf_csv_kernels import dispatch
-
-    monkeypatch.delenv("HF_CSV_KERNELS", raising=False)
-    assert dispatch.backend_for("cpu") == "cpu"
-    monkeypatch.setenv("HF_CSV_KERNELS", "triton")
-    assert dispatch.get_op("gather_gemv", "cpu") is T.gather_gemv
-    monkeypatch.setenv("HF_CSV_KERNELS", "reference")
-    assert dispatch.get_op("screen_int8", "cpu").__name__ == "screen_int8_reference"
-    monkeypatch.setenv("HF_CSV_KERNELS", "bogus")
-    with pytest.raises(ValueError):
-        dispatch.backend_for("cpu")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_certified_head_on_cuda_uses_triton():
     from hf_csv.certificate import CertifiedHead

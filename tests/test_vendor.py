@@ -1,5 +1,6 @@
-"""Certified decoding from the Hub with no code change: transformers' ``custom_generate``, per call and per
-model, local directories and the local HTTP Hub double (tests/hub_double.py), LM and Whisper."""
+"""hf_csv.vendor: the self-contained copy of hf_csv in a ``custom_generate`` folder. Certified decoding from the Hub
+with no code change: transformers' ``custom_generate``, per call and per model, local directories and the local HTTP
+Hub double (tests/hub_double.py), LM and Whisper; the folder works without hf_csv installed."""
 import importlib.metadata
 import os
 import re
@@ -13,7 +14,7 @@ from hf_csv.artifact import CSVArtifact
 from hf_csv.cli import assemble_model_repo
 from hf_csv.cli import main as cli_main
 from hub_double import HubDouble
-from test_generate_extra import _tiny_whisper
+from conftest import _tiny_whisper
 
 
 

@@ -1,4 +1,5 @@
-"""torch.compile with a static cache (docs/certificates.md §3.9): transformers compiles the decode forward; hf_csv's
+"""hf_csv.static (``StaticTopK``, the static-shape certified head) under torch.compile with a static cache
+(docs/certificates.md §3.9): transformers compiles the decode forward; hf_csv's
 static certified head is traced into it with no graph break, does not recompile for shorter generations, and
 gives stock compiled generate's tokens. Calls it cannot certify inside a graph take stock's head, with a reason."""
 from __future__ import annotations
