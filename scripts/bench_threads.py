@@ -61,7 +61,7 @@ def main() -> None:
     out = {"model": Path(a.model).name, "threads": a.threads, "load": a.load, "machine_before": before,
            "ms_median": {k: round(statistics.median(v), 3) for k, v in res.items()},
            "ms_mean": {k: round(statistics.fmean(v), 3) for k, v in res.items()},
-           "tuner_choice": {str(k): v["best"] for k, v in ch._tuner._state.items()}}
+           "tuner_choice": {str(k): ch._tuner.choice(k) for k in ch._tuner._ctl._state}}
     print(json.dumps(out, indent=1))
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")

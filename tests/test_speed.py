@@ -270,3 +270,89 @@ def test_speed_guard_counts_the_processor_step(monkeypatch, assume_subset_exact)
         assert st["full_head_calls"] >= 12 and st["speed_guard"]["certified_ms"] >= 20, st
     finally:
         hf_csv.disable(m)
+
+
+@pytest.mark.parametrize("kind", ["guard", "tuner"])
+def test_batched_records_make_the_same_choices_at_most_batch_minus_one_calls_later(kind):
+    """Controller(batch=B): in the steady state the chosen arm's samples are kept aside and folded B at a time
+    (one list append per call instead of a window update and a decision); the choices are those of B = 1, each
+    switch at most B − 1 calls later, through phases where each arm in turn is the faster."""
+    from hf_csv.speed import SpeedGuard, ThreadTuner
+
+    def run(batch):
+        ctl = (SpeedGuard(batch=batch) if kind == "guard" else ThreadTuner(batch=batch))._ctl
+        a, b, start = ("c", "f", "c") if kind == "guard" else (1, 2, 2)
+        choices, probes = [], 0
+        for calls, ms in ((300, {a: 1.0, b: 2.0}), (300, {a: 3.0, b: 2.0}), (300, {a: 1.0, b: 2.0}),
+                          (300, {a: 1.0, b: 0.5})):
+            for _ in range(calls):
+                arm = ctl.pick("k", a, b, start=start)
+                probes += arm != ctl.best("k")
+                ctl.record("k", arm, ms[arm] * 1e-3)
+                choices.append(ctl.best("k"))
+        switches = [i for i in range(1, len(choices)) if choices[i] != choices[i - 1]]
+        return switches, [choices[i] for i in switches], probes
+
+    sw1, to1, probes1 = run(1)
+    assert len(sw1) >= 3  # the phases do make it switch
+    for batch in (2, 4, 8):
+        sw, to, probes = run(batch)
+        assert to == to1, (batch, to, to1)
+        assert all(0 <= j - i <= batch - 1 for i, j in zip(sw1, sw)), (batch, sw, sw1)
+        assert abs(probes - probes1) <= 2 * len(sw1), (batch, probes, probes1)  # the same probing, give or take
+
+
+def test_batched_records_fold_before_a_probe_and_after_a_switch_count_no_probe():
+    """The kept samples are folded before a probe reads the windows; samples of the arm that was chosen, folded
+    after a switch among them, are not taken for a probe that confirms the new choice (which would space the
+    probes out: a call's one slow sample then kept the tuner on one thread for a long probe interval)."""
+    from hf_csv.speed import Controller
+
+    ctl = Controller(window=4, probe=8, max_probe=64, margin=0.9, stat="mean", batch=4)
+    st = None
+    for _ in range(100):  # warm-up, then the steady state on "a", with 5 calls left before the next probe
+        arm = ctl.pick("k", "a", "b")
+        ctl.record("k", arm, 0.001 if arm == "a" else 0.002)
+        st = ctl._state["k"]
+        if st.steady and not st.pending and st.n % st.probe < st.probe - 5:
+            break
+    assert st.best == "a" and st.steady
+    probe_before = st.probe
+    while st.steady and len(st.pending) < 3:  # fill the pending list up to the fold
+        ctl.record("k", ctl.pick("k", "a", "b"), 0.001)
+    st.pending[0] = 0.050  # one very slow call among the kept samples: folding it switches to "b"
+    ctl.record("k", ctl.pick("k", "a", "b"), 0.001)
+    assert st.best == "b" and not st.pending
+    assert st.probe == ctl.probe0 <= probe_before  # a switch resets the interval; no "confirmation" doubled it
+
+
+def test_a_call_that_ran_the_full_head_is_not_a_sample_of_the_thread_choice(monkeypatch):
+    """speed.untimed: inside a tuned block, a call that ran stock's full head on some row (the certified head calls
+    it from its fallback) is left out of the tuner's record: its time is that head's, not the thread choice's."""
+    from hf_csv.speed import untimed
+
+    monkeypatch.setenv("HF_CSV_HEAD_THREADS", "auto")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tu = ThreadTuner()
+        with tu("k"):
+            untimed()
+        st = tu._ctl._state[("k", 2)]
+        assert not any(st.win.values()) and not st.pending
+        with tu("k"):
+            pass
+        assert sum(len(w) for w in st.win.values()) == 1
+        untimed()  # outside a tuned block: nothing to leave out, no error
+        # the certified head's fallback marks its call
+        torch.manual_seed(0)
+        W = torch.randn(64, 16)
+        ch = CertifiedHead(W, provider="screen")
+        seen = []
+        real = ThreadTuner._record
+        monkeypatch.setattr(ThreadTuner, "_record", lambda self, *a: (seen.append(a), real(self, *a)))
+        with ch._tuner(("x", 1)):
+            ch._stock_rows(torch.randn(1, 16), torch.randn(1, 16), torch.float32)
+        assert seen == []
+    finally:
+        torch.set_num_threads(before)
