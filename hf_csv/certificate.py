@@ -410,6 +410,7 @@ class CertifiedHead:
         """All rows of the full head in ``value_dtype`` (the stock op when that is the weight dtype:
         computed on every row, since a GEMM on fewer rows may round differently). ``stock``: the caller's own
         head (another engine's kernel), called with all rows of the call; it is then what "stock" means."""
+        untimed()  # (this call's time is mostly the full head's: not a sample of the tuner's thread choice)
         if stock is not None:
             if value_dtype != self.weight.dtype:
                 raise ValueError(f"a caller's stock head returns {self.weight.dtype} values, not {value_dtype}")
@@ -418,7 +419,6 @@ class CertifiedHead:
                 raise ValueError(f"the caller's stock head returned {tuple(out.shape)}, expected "
                                  f"{(Hn.shape[0], self.vocab_size)}")
             return out
-        untimed()  # (this call's time is mostly the full head's: not a sample of the tuner's thread choice)
         with caller_threads():
             if value_dtype == self.weight.dtype:
                 return self.stock(Hn)
