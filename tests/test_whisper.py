@@ -54,6 +54,16 @@ def test_tiny_random_whisper_greedy_identical():
     assert m.csv_last_stats["certified"] > 0
 
 
+def _long_form_identical(proc, m, audio, sr) -> None:
+    """Whisper's sequential long-form generate with timestamps gives stock's tokens under csv_config."""
+    f = proc(audio, sampling_rate=sr, return_tensors="pt", truncation=False, padding="longest",
+             return_attention_mask=True)
+    kw = dict(input_features=f.input_features, attention_mask=f.attention_mask, return_timestamps=True)
+    x = m.generate(**kw)
+    y = m.generate(**kw, csv_config=CSVConfig())
+    assert torch.equal(x, y)
+
+
 @pytest.mark.slow
 def test_long_form_whisper_identical():
     """> 30 s of audio: Whisper's own long-form loop (timestamps) runs per segment; identical output."""
@@ -70,12 +80,7 @@ def test_long_form_whisper_identical():
         clips.append(a.astype("float32") / 32768.0)
     audio = np.concatenate(clips)
     assert len(audio) / sr > 30
-    f = proc(audio, sampling_rate=sr, return_tensors="pt", truncation=False, padding="longest",
-             return_attention_mask=True)
-    kw = dict(input_features=f.input_features, attention_mask=f.attention_mask, return_timestamps=True)
-    x = m.generate(**kw)
-    y = m.generate(**kw, csv_config=CSVConfig())
-    assert torch.equal(x, y)
+    _long_form_identical(proc, m, audio, sr)
 
 
 def tiny_ts_whisper(seed: int = 0, ts_scale: float = 1.0, V: int = 400, n_ts: int = 300, dtype=torch.float32):
@@ -168,12 +173,7 @@ def test_real_sequential_long_form_identical_and_certified(tiny_en, monkeypatch)
     proc, m = tiny_en
     audio, sr = long_clip(60.0)
     assert len(audio) / sr > 60
-    f = proc(audio, sampling_rate=sr, return_tensors="pt", truncation=False, padding="longest",
-             return_attention_mask=True)
-    kw = dict(input_features=f.input_features, attention_mask=f.attention_mask, return_timestamps=True)
-    x = m.generate(**kw)
-    y = m.generate(**kw, csv_config=CSVConfig())
-    assert torch.equal(x, y)
+    _long_form_identical(proc, m, audio, sr)
     st = m.csv_last_stats  # the last segment's call
     assert st["mode"] == "topk" and st["certified"] + st["near_ties"] == st["rows"] > 0 and st["certified"] > 0
     assert st["timestamps"]["rows_rerun"] <= 0.05 * st["timestamps"]["rows"]
