@@ -524,8 +524,8 @@ def _layer_class():
             super().__init__(*args, **kwargs)
             self._hf_csv_head: Optional[CertifiedHead] = None
             self._hf_csv_key: Optional[tuple] = None
-            # a draw goes to vLLM's head: the certified one runs where its median is at most vLLM's / 1.05 (a
-            # server's step does more around the head than the guard times; docs/benchmarks.md §12, "Serving")
+            # a draw goes to vLLM's head (never slower: where the two medians are within the margin, stock's runs):
+            # the certified head runs where its median is at most vLLM's / 1.05 (docs/benchmarks.md §12, "Serving")
             self._hf_csv_guard = SpeedGuard(margin=GUARD_MARGIN)
             self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
             _LAYERS.add(self)
