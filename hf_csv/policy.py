@@ -18,7 +18,7 @@ from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
 from .static import StaticTopK
-from .step import guard_key
+from .step import call_guard, guard_key
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
 # are certified (``_timestamp_plan``), and so is the temperature-fallback decision in greedy rounds (hf_csv.whisper).
@@ -571,8 +571,8 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
         return None
-    guard = None if session.entry is None else session.entry.guard
-    if batch is not None and guard is not None and guard.enabled() and guard.prefers_full(guard_key(session, batch)):
+    guard = call_guard(session)
+    if batch is not None and guard is not None and guard.prefers_full(guard_key(session, batch)):
         session.note("torch.compile (static cache): the speed guard measured the full head faster for this shape on "
                      "the eager steps: stock's head inside the graph")
         session.compiled.stock = True

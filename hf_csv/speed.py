@@ -249,14 +249,12 @@ class Controller:
             for s in pending:  # (the chosen arm's samples, not probes: also after a switch among them)
                 self._add(st, arm, s, probe=False)
 
-    def _add(self, st: _Key, arm, seconds: float, probe: Optional[bool] = None) -> None:
+    def _add(self, st: _Key, arm, seconds: float, probe: bool) -> None:
         """One sample of ``arm``: into its window, then the decision (the class docstring's :meth:`record`);
-        ``probe``: whether the sample is a probe's (default: ``arm`` is not the chosen one)."""
+        ``probe``: whether the sample is a probe's (``arm`` was not the chosen one when it was picked)."""
         if arm == st.start == self.skip_first and not st.seen:
             st.seen = True
             return
-        if probe is None:
-            probe = arm != st.best
         if arm != st.best:
             st.wait = st.steady = False
         st.win[arm].append(seconds)

@@ -35,8 +35,8 @@ from .plan import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
 from .posthead import check_output
 from .speed import rows_bucket
 
-__all__ = ["CSVHead", "StepStash", "StepState", "activated", "active_session", "check_post", "check_step", "flush_guard",
-           "guard_key", "guard_post_head", "head_step", "track_length"]
+__all__ = ["CSVHead", "StepStash", "StepState", "activated", "active_session", "call_guard", "check_post", "check_step",
+           "flush_guard", "guard_key", "guard_post_head", "head_step", "track_length"]
 
 
 @dataclass
@@ -258,7 +258,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
         sess.note("the int8 screen is still being packed (first call): full head for these steps")
         return _full(sess, inner, hidden)
-    guard = _call_guard(sess)
+    guard = call_guard(sess)
     gkey = None
     if guard is not None:
         flush_guard(sess)  # a record the check did not complete (it did not run after that head call)
@@ -342,8 +342,9 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
     return [sess.step.fed_total - (P - 1 - p) for p in range(P)]
 
 
-def _call_guard(sess: Any) -> Any:
-    """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call began)."""
+def call_guard(sess: Any) -> Any:
+    """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call first asked:
+    the policy's decision or the first head step), or None."""
     st = sess.step
     if not st.guard_read:
         guard = None if sess.entry is None else sess.entry.guard

@@ -117,6 +117,16 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).eval(), torch.tensor([[1, 5, 9, 2]])
 
 
+@pytest.fixture(scope="module")
+def whisper_tiny_en():
+    """(processor, enabled model) of the zoo's whisper-tiny.en, once per test module."""
+    import hf_csv
+    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+
+    d = model_dir("whisper-tiny.en")
+    return AutoProcessor.from_pretrained(d), hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
+
+
 def _certified_greedy(m, ids, ref):
     """6 greedy tokens with csv_config on an enabled model: stock's tokens; returns the call's stats."""
     import hf_csv

@@ -262,15 +262,12 @@ def test_tiny_whisper_assisted_encoder_decoder_and_decoder_only():
 
 
 @pytest.mark.slow
-def test_real_whisper_truncated_assistant_identical(monkeypatch):
+def test_real_whisper_truncated_assistant_identical(whisper_tiny_en, monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
     from scipy.io import wavfile
-    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 
-    d = model_dir("whisper-tiny.en")
-    proc = AutoProcessor.from_pretrained(d)
-    m = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
+    proc, m = whisper_tiny_en
     draft = truncated_assistant(m, 2)
     sr, a = wavfile.read(SHARED / "models" / "speech" / "en_fox.wav")
     feats = proc(a.astype("float32") / 32768.0, sampling_rate=sr, return_tensors="pt").input_features

@@ -17,22 +17,19 @@ from transformers.models.whisper.generation_whisper import WhisperGenerationMixi
 import hf_csv
 from hf_csv import CSVConfig
 
-from conftest import model_dir, SHARED, _tiny_whisper
+from conftest import SHARED, _tiny_whisper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _audio import long_clip  # noqa: E402
 
 
 @pytest.mark.slow
-def test_whisper_tiny_greedy_identical(monkeypatch):
+def test_whisper_tiny_greedy_identical(whisper_tiny_en, monkeypatch):
     # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
     from scipy.io import wavfile
-    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 
-    d = model_dir("whisper-tiny.en")
-    proc = AutoProcessor.from_pretrained(d)
-    m = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
+    proc, m = whisper_tiny_en
     for name in ("en_fox.wav", "en_draft.wav"):
         sr, a = wavfile.read(SHARED / "models" / "speech" / name)
         a = a.astype("float32") / (32768.0 if a.dtype.kind == "i" else 1.0)
@@ -65,14 +62,11 @@ def _long_form_identical(proc, m, audio, sr) -> None:
 
 
 @pytest.mark.slow
-def test_long_form_whisper_identical():
+def test_long_form_whisper_identical(whisper_tiny_en):
     """> 30 s of audio: Whisper's own long-form loop (timestamps) runs per segment; identical output."""
     from scipy.io import wavfile
-    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 
-    d = model_dir("whisper-tiny.en")
-    proc = AutoProcessor.from_pretrained(d)
-    m = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
+    proc, m = whisper_tiny_en
     clips = []
     for name in ("en_fox.wav", "en_draft.wav", "en_library.wav", "en_rainbow.wav", "en_stella.wav", "en_weather.wav",
                  "en_window.wav"):
@@ -158,19 +152,11 @@ def test_timestamps_with_sampling_or_beams_use_the_full_head(kw, why):
     assert st["mode"] == "full" and any(why in r for r in st["reasons"]), st["reasons"]
 
 
-@pytest.fixture(scope="module")
-def tiny_en():
-    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
-
-    d = model_dir("whisper-tiny.en")
-    return AutoProcessor.from_pretrained(d), hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
-
-
 @pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
-def test_real_sequential_long_form_identical_and_certified(tiny_en, monkeypatch):
+def test_real_sequential_long_form_identical_and_certified(whisper_tiny_en, monkeypatch):
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")  # certification, not the speed choice (a loaded CPU may pick full)
-    proc, m = tiny_en
+    proc, m = whisper_tiny_en
     audio, sr = long_clip(60.0)
     assert len(audio) / sr > 60
     _long_form_identical(proc, m, audio, sr)
@@ -181,11 +167,11 @@ def test_real_sequential_long_form_identical_and_certified(tiny_en, monkeypatch)
 
 @pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
-def test_real_chunked_pipeline_with_timestamps_identical_and_certified(tiny_en, monkeypatch):
+def test_real_chunked_pipeline_with_timestamps_identical_and_certified(whisper_tiny_en, monkeypatch):
     monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")  # certification, not the speed choice (a loaded CPU may pick full)
     from transformers import pipeline
 
-    proc, m = tiny_en
+    proc, m = whisper_tiny_en
     audio, sr = long_clip(60.0)
     pipe = pipeline("automatic-speech-recognition", model=m, tokenizer=proc.tokenizer,
                     feature_extractor=proc.feature_extractor, chunk_length_s=30, device="cpu")
@@ -299,10 +285,10 @@ def test_returned_scores_keep_the_full_head():
 
 @pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
-def test_real_long_form_with_temperature_fallback_identical(tiny_en, spy):
+def test_real_long_form_with_temperature_fallback_identical(whisper_tiny_en, spy):
     """whisper-tiny.en, > 60 s, sequential long-form with the usual fallback settings: stock's tokens and decisions;
     greedy rounds certified."""
-    proc, m = tiny_en
+    proc, m = whisper_tiny_en
     audio, sr = long_clip(60.0)
     f = proc(audio, sampling_rate=sr, return_tensors="pt", truncation=False, padding="longest",
              return_attention_mask=True)
