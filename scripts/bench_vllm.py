@@ -106,8 +106,8 @@ def serve(args) -> dict:
     import openai
 
     out = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
-           "warmup": args.warmup, "control": args.control, "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0",
-           "load_before": os.getloadavg(), "sides": {}}
+           "warmup": args.warmup, "control": args.control, "stock_first": args.stock_first,
+           "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0", "load_before": os.getloadavg(), "sides": {}}
     prompts = _prompts(args.concurrency * args.requests_per_client)
     from concurrent.futures import ThreadPoolExecutor
 
@@ -121,7 +121,7 @@ def serve(args) -> dict:
                                                + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
     passes = []  # (side, monotonic start, end) of each timed pass
     try:
-        for i, side in enumerate(("hf_csv", "none")):
+        for i, side in enumerate(("none", "hf_csv") if args.stock_first else ("hf_csv", "none")):
             (trace / side).mkdir()
             env = {**os.environ, **trace_env, "HF_CSV_STEP_TRACE": str(trace / side),
                    "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="--serve: untimed passes of the whole load before the timed "
                     "ones (0: the first timed pass is the server's first, cold)")
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--stock-first", action="store_true", help="--serve: start the stock server first (on --port); "
+                    "the server started first was the slower one in A/A runs on a 2-core host (docs/benchmarks.md §12)")
     ap.add_argument("--control", action="store_true", help="--serve: both servers stock (the side labelled hf_csv "
                     "runs with VLLM_PLUGINS=none): the ratios of two identical servers, this machine's noise floor")
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
