@@ -255,9 +255,6 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     ch = sess.head
     if H.device != ch.weight.device:  # device_map: the head may live on another device than the body
         H = H.to(ch.weight.device)
-    if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
-        sess.note("the int8 screen is still being packed (first call): full head for these steps")
-        return _full(sess, inner, hidden)
     guard = call_guard(sess)
     gkey = None
     if guard is not None:
@@ -270,7 +267,12 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
             out = _full(sess, inner, hidden)
             _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
             return out
-        t0 = time.perf_counter()
+    # after the guard: a call it keeps on the full head (a large batch's prior) starts no packing beside it; a
+    # certified pick that finds the screen unready is not recorded (the guard asks again)
+    if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
+        sess.note("the int8 screen is still being packed (first call): full head for these steps")
+        return _full(sess, inner, hidden)
+    t0 = time.perf_counter()
     if sess.step.spec_pending and isinstance(plan, Bounded):
         # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
         # -inf-padded logits; refuse rather than let a restricted row be sampled from

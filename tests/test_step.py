@@ -21,3 +21,32 @@ def test_spec_round_without_drafts_uses_the_full_head(spec_pair):
                           csv_config=CSVConfig(budget=0.3), return_dict_in_generate=True)
     st = out.csv_stats
     assert st["head_calls"] - st["full_head_calls"] == st["speculative"]["verify_calls"]
+
+
+def test_a_call_the_guard_keeps_on_the_full_head_builds_no_screen(monkeypatch):
+    """The guard is asked before the screen: a first call of 32+ rows (its prior: the full head) leaves the head's
+    screen unbuilt (no packing beside stock's head on a shared CPU), with stock's tokens; a one-row call builds it."""
+    import hf_csv
+    import hf_csv.speed as speed
+    from hf_csv.head import find_head, get_certified_head
+
+    from conftest import _ids, tiny_llama
+
+    monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)  # (a guard for the tiny head)
+    m = tiny_llama(scale=20.0)
+    x = _ids(batch=speed.PRIOR_FULL_ROWS)
+    ref = m.generate(**x, max_new_tokens=4, do_sample=False)
+    hf_csv.enable(m)
+    try:
+        out = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["full_head_calls"] == st["head_calls"] == 4 and any("measured faster" in r for r in st["reasons"])
+        ch = get_certified_head(find_head(m)[1], CSVConfig())
+        assert ch.provider.state is None  # never calibrated nor packed
+        one = {k: v[1:2] for k, v in x.items()}
+        out = m.generate(**one, max_new_tokens=4, do_sample=False, csv_config=CSVConfig())
+        assert torch.equal(out, m.generate(**one, max_new_tokens=4, do_sample=False))
+        assert ch.provider.state is not None and m.csv_last_stats["certified"] > 0
+    finally:
+        hf_csv.disable(m)
