@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def serve(args) -> dict:
         for i, side in enumerate(("none", "hf_csv") if args.stock_first else ("hf_csv", "none")):
             (trace / side).mkdir()
             env = {**os.environ, **trace_env, "HF_CSV_STEP_TRACE": str(trace / side),
-                   "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1",
+                   "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0",
+                   "HF_HUB_OFFLINE": "1",
                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
             port = args.port + i
@@ -178,6 +180,7 @@ def serve(args) -> dict:
         for proc in procs.values():
             proc.wait(60)
     out["engine"] = engine_steps(trace, passes, args.concurrency)
+    shutil.rmtree(trace, ignore_errors=True)
     out["identical"] = out["sides"]["hf_csv"]["texts"] == out["sides"]["none"]["texts"]
     out["speedup"] = round(out["sides"]["hf_csv"]["tok_s"] / out["sides"]["none"]["tok_s"], 3)
     # per round (the passes run back to back): the first is each server's first pass when --warmup is 0
@@ -233,8 +236,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="--serve: untimed passes of the whole load before the timed "
                     "ones (0: the first timed pass is the server's first, cold)")
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--stock-first", action="store_true", help="--serve: start the stock server first (on --port); "
-                    "the server started first was the slower one in A/A runs on a 2-core host (docs/benchmarks.md §12)")
+    ap.add_argument("--stock-first", action="store_true", help="--serve: start the stock server first (on --port), "
+                    "to tell the plugin from the launch order (docs/benchmarks.md §12, 'Serving')")
     ap.add_argument("--control", action="store_true", help="--serve: both servers stock (the side labelled hf_csv "
                     "runs with VLLM_PLUGINS=none): the ratios of two identical servers, this machine's noise floor")
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
