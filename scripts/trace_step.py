@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -69,6 +70,14 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
         kw["repetition_penalty"] = repetition_penalty
     if warm_tokens:
         model.generate(ids, **{**kw, "max_new_tokens": warm_tokens})  # the screen is built and settles
+        # its columns' re-choice runs in a background thread: wait for it (on a busy machine it can outlast the
+        # call), so that the traced step is the settled one whatever the load
+        from hf_csv.head import find_head, get_certified_head
+
+        ch = get_certified_head(find_head(model)[1], CSVConfig())
+        deadline = time.monotonic() + 120
+        while not ch.settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     steps: list[list[tuple]] = [[]]
     forwards = [0]
