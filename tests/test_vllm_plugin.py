@@ -448,9 +448,9 @@ def test_combine_shards_rules():
 
 
 def test_the_plugins_guard_gives_a_draw_to_vllms_head():
-    """In the engine the guard keeps vLLM's head unless the certified head is clearly faster (GUARD_MARGIN): at one
-    row SmolLM2's bf16 medians were 1.30 against 1.32 ms, and served it ran slower than stock (docs/benchmarks.md
-    §12); transformers' guard keeps its draw to the certified head."""
+    """In the engine the guard keeps vLLM's head unless the certified head is clearly faster (GUARD_MARGIN): where
+    the two medians are within a few percent (SmolLM2 bf16 at one row, docs/benchmarks.md §12) vLLM's head runs;
+    transformers' guard keeps its draw to the certified head."""
     from hf_csv.speed import SpeedGuard
     from hf_csv.vllm_plugin import GUARD_MARGIN
 
