@@ -696,8 +696,9 @@ def _layer_class():
             if rows > self._hf_csv_max_rows:
                 return vllms_head("batch above HF_CSV_VLLM_MAX_ROWS")
             # the head's own configuration first (constant for a layer, its weights and the activations' dtype and
-            # device: kept per layer), so that a head declined whatever the batch is counted under its reason
-            hk = (id(lm_head), hidden_states.dtype, hidden_states.device.type, embedding_bias is None)
+            # device: kept per layer), so that a head declined whatever the batch is counted under its reason; keyed
+            # on the head module itself (the memo holds it: no id of a freed module can come back)
+            hk = (lm_head, hidden_states.dtype, hidden_states.device.type, embedding_bias is None)
             reason = self._hf_csv_head_why.get(hk, _UNSEEN)
             if reason is _UNSEEN:
                 reason = self._hf_csv_head_why[hk] = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
