@@ -161,17 +161,21 @@ def _run_chunks(V: int, step: int, desc: str, progress: bool, body, device: torc
     it = iter(_chunks(V, step, desc, progress))
     lock = threading.Lock()
     errors: list = []
+    # inference mode is per thread: a worker runs in the caller's, or it could not write the caller's
+    # inference-mode buffers in place
+    inference = torch.is_inference_mode_enabled()
 
     def run(slot: int) -> None:
         try:
             if cpu:
                 torch.set_num_threads(1)  # this thread's count (the main thread's is restored below)
-            while not errors:
-                with lock:
-                    lo = next(it, None)
-                if lo is None:
-                    return
-                body(lo, min(V, lo + step), slot)
+            with torch.inference_mode(inference):
+                while not errors:
+                    with lock:
+                        lo = next(it, None)
+                    if lo is None:
+                        return
+                    body(lo, min(V, lo + step), slot)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
 

@@ -137,3 +137,40 @@ def test_streamer_sees_the_same_tokens():
     assert len(a.chunks) == len(b.chunks) and a.chunks[-1] is None and b.chunks[-1] is None
     assert all(torch.equal(u, v) for u, v in zip(a.chunks[:-1], b.chunks[:-1]))
     assert m.csv_last_stats["certified"] > 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", "top_k", "assisted"])
+def test_calls_under_inference_mode_and_outside_it_alternate(mode, monkeypatch):
+    """``torch.inference_mode()`` around ``generate`` (a common wrapper): the first certified call builds the
+    model's head there, on two threads (a head of several quantization chunks); later calls outside it and inside
+    it again reuse that head. Every call certifies rows and the greedy ones give stock's tokens; none raises (inference
+    tensors cannot be updated in place outside inference mode, nor by a worker thread, which does not inherit
+    the mode)."""
+    monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")  # certification asserted, not the speed choice
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)  # quantization runs one Python worker per thread: 2 workers, 3 chunks
+    try:
+        ref = tiny_llama(vocab=20000, scale=20.0)
+        m = hf_csv.enable(copy.deepcopy(ref))
+        kw: dict = dict(max_new_tokens=8, do_sample=mode == "top_k", top_k=20 if mode == "top_k" else None)
+        ref_kw = dict(kw)
+        if mode == "assisted":
+            draft = tiny_llama(vocab=20000, scale=20.0, seed=3)
+            kw["assistant_model"] = hf_csv.enable(copy.deepcopy(draft))
+            ref_kw["assistant_model"] = draft
+        ids = _ids(batch=1, vocab=20000)
+        for inference in (True, False, True):
+            ctx = torch.inference_mode() if inference else torch.no_grad()
+            torch.manual_seed(5)
+            with ctx:
+                out = m.generate(**ids, **kw, csv_config=CSVConfig())
+            st = m.csv_last_stats
+            torch.manual_seed(5)
+            with torch.no_grad():
+                want = ref.generate(**ids, **ref_kw)
+            if mode != "top_k":  # a seeded top-k draw is stock's law, its stream only where the BLAS allows
+                assert torch.equal(out, want), (mode, inference)
+            assert out.shape == want.shape
+            assert st["certified"] > 0, st
+    finally:
+        torch.set_num_threads(n)
