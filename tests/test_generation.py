@@ -17,13 +17,16 @@ from conftest import _ids, model_dir, SHARED, tiny_llama, tokenizer
 
 def test_untested_transformers_version_warns_once_and_uses_the_full_head(monkeypatch):
     """A newer transformers: no refusal at import or enable; one warning; stock tokens; the reason in stats."""
-    import transformers
+    import sys
+
     import hf_csv.generation as g
 
     monkeypatch.delenv("HF_CSV_ALLOW_UNTESTED", raising=False)
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
-    monkeypatch.setattr(g, "_WARNED", [])
     ref = tiny_llama(scale=20.0)
+    # the module hf_csv reads: transformers 5 puts a new lazy module into sys.modules when a model class is first
+    # imported, so a reference taken before that is not the one `import transformers` returns after
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")
+    monkeypatch.setattr(g, "_WARNED", [])
     with pytest.warns(UserWarning, match="5.99.0"):
         m = hf_csv.enable(copy.deepcopy(ref))
     ids = torch.randint(0, 200, (2, 5))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -421,7 +422,7 @@ def test_patch_is_thread_local():
 
 @pytest.mark.usefixtures("one_thread")
 def test_unknown_transformers_version_fails_clearly(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "9.99.0")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "9.99.0")  # the module hf_csv reads now
     with pytest.raises(UnsupportedVersionError, match="9.99.0"):
         with patch_speculative_sampling():
             pass
