@@ -36,6 +36,14 @@ class BoundProvider(Protocol):
         """(est, upper), both float32 [N, V], bias included; upper >= true logits."""
 
 
+def keeps_state(fn):
+    """Decorator for a method that may create or update tensors its object keeps across calls: it runs with
+    inference mode off and without autograd. Kept tensors made under a caller's ``torch.inference_mode()`` would be
+    inference tensors, which no later call outside it may update in place (a call under ``no_grad`` after one under
+    ``inference_mode`` raised); normal tensors can be updated in either mode."""
+    return torch.inference_mode(False)(torch.no_grad()(fn))
+
+
 class ScreenProvider:
     """Certified int8 screen over every token.
 
@@ -50,6 +58,7 @@ class ScreenProvider:
 
     name = "screen"
 
+    @keeps_state
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, num_outliers: int = 16,
                  outlier_cols: Optional[torch.Tensor] = None, quant: str = "int8", rows: Optional[Int8Rows] = None,
                  background: bool = False, recalibrate: Optional[bool] = None):
@@ -97,6 +106,7 @@ class ScreenProvider:
     def _choose(self, amax: torch.Tensor) -> torch.Tensor:
         return amax.topk(self.num_outliers).indices.sort().values
 
+    @keeps_state
     def warm(self, H: torch.Tensor, eager: bool = False) -> None:
         """Calibrate on ``H`` if this is the first call (starts the packing). Rows are counted towards the
         re-choice of the columns by :meth:`__call__` only (a caller may warm and then call on the same rows).
@@ -163,7 +173,7 @@ class ScreenProvider:
         must not judge the screen by them)."""
         return self.ready() and self._seen is None and (self._recal is None or not self._recal.is_alive())
 
-    @torch.no_grad()
+    @keeps_state
     def calibrate(self, H: torch.Tensor) -> torch.Tensor:
         """Fix the outlier columns from calibration hidden states (no later recalibration); returns them."""
         H = H.reshape(-1, self.hidden_size).float()
@@ -173,12 +183,12 @@ class ScreenProvider:
             self._prepare(self._choose(H.abs().amax(0)) if self.num_outliers else None)
         return self.state.outlier_cols
 
-    @torch.no_grad()
+    @keeps_state
     def __call__(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         est, upper, _ = self.screen(H)
         return est, upper
 
-    @torch.no_grad()
+    @keeps_state
     def screen(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(est, upper, top): :meth:`__call__`'s pair and, where the backend finds it in the same pass, each row's
         first largest estimate (int64 [N]; else None). One fused pass on the CPU where hf_csv's kernel serves."""

@@ -27,7 +27,7 @@ from hf_csv_kernels import gamma, get_op
 from hf_csv_kernels.native import top1_constants
 from hf_csv_kernels.verify import GUMBEL_SHIFT_FROM, gumbel_noise, gumbel_shift, row_max_finite
 
-from .bounds import BoundProvider, make_provider
+from .bounds import BoundProvider, keeps_state, make_provider
 from .config import DEFAULT_BUDGET
 from .index import VocabIndex
 from .speed import ThreadTuner, caller_threads, rows_bucket, untimed
@@ -157,6 +157,7 @@ class CertifiedHead:
             the thread count, as vLLM's CPU worker does).
     """
 
+    @keeps_state
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  provider: Union[str, BoundProvider] = "screen", index: Union[VocabIndex, str, None] = None,
                  budget: Union[int, float] = DEFAULT_BUDGET, tune_threads: bool = True, **provider_kwargs):

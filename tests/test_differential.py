@@ -4,8 +4,8 @@ Each case draws an architecture (tiny random Llama, Qwen2, Gemma-2 with softcap,
 logit_scale, Granite with logits_scaling, Phi with a head bias, Whisper), a dtype (fp32, bf16), a
 batch (1 or more, left-padded), a decoding method (greedy, beam, sampling with random temperature /
 top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram, bad words, min new
-tokens; Whisper with or without return_timestamps), output_scores and a stopping criterion that reads scores, and a
-CSVConfig. Then:
+tokens; Whisper with or without return_timestamps), output_scores and a stopping criterion that reads scores, a
+CSVConfig, and the autograd context around the calls (grad mode, ``no_grad``, ``inference_mode``). Then:
 
 * deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
 * sampling with a top-k or min-p certificate (stock's sampler on stock's vector): the same tokens as stock
@@ -26,6 +26,7 @@ HF_CSV_FUZZ_DTYPES=float16 (comma-separated torch dtype names) changes the dtype
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -207,6 +208,9 @@ def _case(i: int) -> dict:
     c["ties"] = trng.choices(["none", "exact", "ulp"], weights=[6, 1, 1])[0]
     c["hscale"] = trng.choices([1.0, 1e-44, 1e-30, 1e-12, 1e15], weights=[12, 1, 1, 1, 1])[0]
     c["custom"] = trng.choices([None, "order", "lower", "raise"], weights=[12, 1, 1, 1])[0]
+    # the autograd context a user wraps generate in (its own stream: the other draws stay as they were); the tiny
+    # models are cached across cases, so a head built under one context is reused under the others
+    c["grad"] = random.Random(49979687 * i + 13).choices(["default", "no_grad", "inference"], weights=[6, 1, 1])[0]
     c["kind"] = kind
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
@@ -402,11 +406,25 @@ def _classes(c: dict) -> list:
         out.append(f"hidden:{c['hscale']:g}")
     if c.get("custom"):
         out.append(f"custom:{c['custom']}")
+    if c.get("grad", "default") != "default":
+        out.append(f"grad:{c['grad']}")
     return out
 
 
+def _grad_context(c: dict):
+    """The case's autograd context around every generate call: grad mode (generate's own default applies),
+    ``torch.no_grad()`` or ``torch.inference_mode()``."""
+    g = c.get("grad", "default")
+    return torch.inference_mode() if g == "inference" else torch.no_grad() if g == "no_grad" else contextlib.nullcontext()
+
+
 def _run(c: dict, n_sampling: int) -> dict:
-    m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0))
+    m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0))  # (built outside it)
+    with _grad_context(c):
+        return _run_in(m, c, n_sampling)
+
+
+def _run_in(m, c: dict, n_sampling: int) -> dict:
     inputs = _inputs(c, m)
     res = {"id": c["id"], "arch": c["arch"], "dtype": str(c["dtype"]).replace("torch.", ""), "kind": c["kind"],
            "classes": _classes(c), "mkl": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
