@@ -255,6 +255,10 @@ def _build_with(flags: list, name: str = "avx2") -> ctypes.CDLL:
     lib.hf_csv_min_i8.restype = i32
     lib.hf_csv_row_terms.argtypes = [p, p, p, i64, i64, p, p, p, i32]
     lib.hf_csv_row_terms.restype = i32
+    lib.hf_csv_quantize_i8.argtypes = [p, i64, i64, p, p, p, p, p, p, i32]
+    lib.hf_csv_quantize_i8.restype = i32
+    lib.hf_csv_outlier_cols.argtypes = [p, p, p, i64, i64, p, i64, p, p, i32]
+    lib.hf_csv_outlier_cols.restype = i32
     lib.hf_csv_screen_bounds.argtypes = [p, p, i64, i64, p, i64, p, i64, p, i32, p, p, p, p, p, p, p, p, i32, i64, i32]
     lib.hf_csv_screen_bounds.restype = i32
     lib.hf_csv_openmp.argtypes = []
@@ -456,15 +460,13 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
               threads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(err_l2, l1, abs_l1), float32 [V]: rounded-up bounds on ||W_i − s_i q_i||_2, ||s_i q_i||_1 and ||W_i||_1 for a
     float32 head ``weight`` [V, d] and its int8 codes ``q`` (scale ``s``), in one pass over memory — the terms of
-    :class:`hf_csv_kernels.quantize.Int8Rows`, a little tighter than the float32 pass of the quantizer (which
-    ``quantize.rows_from_codes`` uses where this kernel is not available).
+    :class:`hf_csv_kernels.quantize.Int8Rows`, a little tighter than the quantizer's float32 torch pass (which
+    serves where this kernel does not: other dtypes and formats, other hosts).
 
     In C: s_i·q_ij exact in float64, each difference, square and add rounded once (2^-53), so the float64 sums
     are within (d + 3)·2^-53 < 1.5e-11 relatively of the real ones; l1 = s_i·Σ|q_ij| with the integer sum exact.
     Here each is raised by 1 + 1e-10 (in float64, after the square root for err_l2) and rounded up to float32.
     """
-    from .quantize import round_up_f32
-
     lib = _lib_or_raise()
     V, d = q.shape
     if d > MAX_D:
@@ -479,10 +481,71 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     n = torch.get_num_threads() if threads is None else int(threads)
     lib.hf_csv_row_terms(weight.data_ptr(), q.data_ptr(), scale.data_ptr(), V, d, err2.data_ptr(), l1q.data_ptr(),
                          absl1.data_ptr(), max(1, n))
+    return _bounds_from_sums(err2, l1q, absl1, scale)
+
+
+def _bounds_from_sums(err2: torch.Tensor, l1q: torch.Tensor, absl1: torch.Tensor,
+                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`row_terms`' float32 bounds from the C sums (each raised by 1 + 1e-10, rounded up)."""
+    from .quantize import round_up_f32
+
     err_l2 = round_up_f32(err2.sqrt_().mul_(_RAISE))
     l1 = round_up_f32(l1q.double().mul_(scale.double()).mul_(_RAISE))
     abs_l1 = round_up_f32(absl1.mul_(_RAISE))
     return err_l2, l1, abs_l1
+
+
+def quantize_i8(weight: torch.Tensor, interleaved: bool = True, threads: Optional[int] = None) -> dict:
+    """hf_csv's one-pass int8 quantizer for a contiguous float32 CPU head ``weight`` [V, d]: the codes and scales of
+    :func:`hf_csv_kernels.quantize.quantize_rows_int8`'s torch path bit for bit (scale_i = max|W_i| / 127, codes
+    round-half-to-even of W_ij / scale_i clamped to ±127: never −128), the error terms of :func:`row_terms` (the same C
+    sums, so a recompute agrees bit for bit) and, with ``interleaved``, the codes' 4-row interleaved copy
+    (:func:`interleave`'s), in one read of the weight. Returns a dict ``q, qi, scale, err_l2, l1, abs_l1`` (``qi`` None
+    without ``interleaved``). ValueError on a weight that is not finite."""
+    lib = _lib_or_raise()
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"quantize_i8 needs a contiguous 2-D float32 CPU tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    V, d = weight.shape
+    if d > MAX_D:
+        raise ValueError(f"hidden size {d} > {MAX_D}")
+    q = torch.empty(V, d, dtype=torch.int8)
+    qi = torch.empty(V, d, dtype=torch.int8) if interleaved else None
+    scale = torch.empty(V, dtype=torch.float32)
+    err2 = torch.empty(V, dtype=torch.float64)
+    absl1 = torch.empty(V, dtype=torch.float64)
+    l1q = torch.empty(V, dtype=torch.int64)
+    n = torch.get_num_threads() if threads is None else int(threads)
+    rc = lib.hf_csv_quantize_i8(weight.data_ptr(), V, d, q.data_ptr(), _ptr(qi), scale.data_ptr(), err2.data_ptr(),
+                                l1q.data_ptr(), absl1.data_ptr(), max(1, n))
+    if rc != 0:
+        raise ValueError("head weight contains non-finite values")
+    err_l2, l1, abs_l1 = _bounds_from_sums(err2, l1q, absl1, scale)
+    return dict(q=q, qi=qi, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
+
+
+def outlier_cols(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cols: torch.Tensor,
+                 threads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W[:, cols] as float32 [V, k], exactly; per row the float64 sum over those columns of (W_ij − s_i q_ij)²,
+    within (k + 2)·2^-53 relatively of the real sum) for a contiguous float32 CPU head ``weight`` [V, d] and its
+    contiguous int8 codes ``q``, in one pass over the rows: what :func:`hf_csv_kernels.screen.make_outliers` needs,
+    without a strided gather per column."""
+    lib = _lib_or_raise()
+    V, d = q.shape
+    cols = cols.to(torch.int64).contiguous()
+    for t, dt, shape in ((weight, torch.float32, (V, d)), (q, torch.int8, (V, d)), (scale, torch.float32, (V,))):
+        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"outlier_cols: expected a contiguous CPU {dt} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    k = cols.numel()
+    if k and (int(cols.min()) < 0 or int(cols.max()) >= d):
+        raise ValueError(f"outlier columns must lie in [0, {d})")
+    wJ = torch.empty(V, k, dtype=torch.float32)
+    low = torch.empty(V, dtype=torch.float64)
+    n = torch.get_num_threads() if threads is None else int(threads)
+    lib.hf_csv_outlier_cols(weight.data_ptr(), q.data_ptr(), scale.data_ptr(), V, d, cols.data_ptr(), k,
+                            wJ.data_ptr(), low.data_ptr(), max(1, n))
+    return wJ, low
 
 
 def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) -> torch.Tensor:

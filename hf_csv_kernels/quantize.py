@@ -55,6 +55,9 @@ class Int8Rows:
     err_l2: torch.Tensor  # float32 [V], >= ||W_i - s_i q_i||_2
     l1: torch.Tensor  # float32 [V], >= ||s_i q_i||_1
     abs_l1: torch.Tensor  # float32 [V], >= ||W_i||_1
+    # the int8 codes' 4-row interleaved copy (hf_csv_kernels.native's layout) where the quantizer wrote it in its
+    # pass (hf_csv's C quantizer), else None (the screen builds it later, hf_csv_kernels.screen.prepare_screen)
+    qi: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -215,7 +218,17 @@ def _quantize_chunk(weight, q, scale, out, lo, hi, work, wbuf, qdtype, qmax) -> 
 
 @torch.no_grad()
 def quantize_rows_int8(weight: torch.Tensor, chunk_rows: Optional[int] = None, progress: bool = True) -> Int8Rows:
-    """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127)."""
+    """Quantize ``weight`` [V, d] to symmetric per-row int8 (levels −127..127).
+
+    A contiguous float32 CPU head goes through hf_csv's C quantizer where it is available
+    (:func:`hf_csv_kernels.native.quantize_i8`: the same codes and scales as the torch path below bit for bit, the
+    error terms of :func:`rows_from_codes`' C recompute, and the interleaved copy the screen reads, in one pass over
+    the weight; ``chunk_rows`` and ``progress`` do not apply); anything else takes the chunked torch path.
+    """
+    if weight.dim() == 2 and _native_terms_ok(weight, weight.new_empty(0, dtype=torch.int8), None):
+        from . import native
+
+        return _check_scale_size(Int8Rows(**native.quantize_i8(weight)))
     return _quantize_rows(weight, chunk_rows, torch.int8, 127.0, progress)
 
 
@@ -243,7 +256,7 @@ def _native_terms_ok(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
         return False
     from . import native
 
-    return q.shape[1] <= native.MAX_D and native.available()
+    return weight.shape[1] <= native.MAX_D and native.available()
 
 
 @torch.no_grad()

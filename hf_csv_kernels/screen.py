@@ -175,8 +175,11 @@ def _pack_chunks(state: "ScreenState", consolidate: bool) -> None:
         threading.Thread(target=_consolidate, args=(state,), name="hf_csv-screen-pack").start()
 
 
-def _err_rest(rows: Int8Rows, wJ: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """A float32 upper bound on ||W_i − Ŵ_i|| over the columns not in ``cols``, per row; ``wJ`` = W[:, cols].
+def _err_rest(rows: Int8Rows, wJ: torch.Tensor, cols: torch.Tensor,
+              low: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A float32 upper bound on ||W_i − Ŵ_i|| over the columns not in ``cols``, per row; ``wJ`` = W[:, cols];
+    ``low``: the float64 sums Σ_{j∈cols} (W_ij − Ŵ_ij)² where the caller has them (hf_csv's C pass, the same error
+    bound), else computed here.
 
     ||e_rest||² = ||e||² − ||e_J||² <= err_l2² − (a lower bound on ||e_J||²). In float64: err_l2² is exact
     (a float32 squared), Ŵ_J = s·q exact (24 + 7 bits), and each difference, square and sum of the k terms
@@ -186,9 +189,10 @@ def _err_rest(rows: Int8Rows, wJ: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     """
     if cols.numel() > 1000:  # the margins above assume it (no head has that many massive activations)
         raise ValueError("at most 1000 exact outlier columns")
-    eJ = wJ.double() - rows.q.index_select(1, cols).double() * rows.scale.double()[:, None]
-    low = eJ.square_().sum(1).mul_(1 - 1e-12)
-    rest = (rows.err_l2.double().square() - low).clamp_(min=0).sqrt_().mul_(1 + 1e-12)
+    if low is None:
+        eJ = wJ.double() - rows.q.index_select(1, cols).double() * rows.scale.double()[:, None]
+        low = eJ.square_().sum(1)
+    rest = (rows.err_l2.double().square() - low.mul(1 - 1e-12)).clamp_(min=0).sqrt_().mul_(1 + 1e-12)
     return round_up_f32(rest)
 
 
@@ -208,6 +212,13 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
     if weight is not None and outlier_cols.numel():
         if tuple(weight.shape) != (V, d):
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
+        if (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+                and rows.q.dtype == torch.int8 and rows.q.is_contiguous() and outlier_cols.numel() <= 1000
+                and _native.available()):
+            # one pass over the rows in C: the k columns and their squared errors (a strided gather per column is
+            # a cache miss per row and column, twice)
+            w_out, low = _native.outlier_cols(weight, rows.q, rows.scale.contiguous(), outlier_cols)
+            return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols, low), _w8(w_out))
         # one gather of the k columns
         w_out = weight.index_select(1, outlier_cols).to(torch.float32).contiguous()  # fp32/bf16/fp16 -> fp32 is exact
         return Outliers(outlier_cols, w_out, _err_rest(rows, w_out, outlier_cols).to(rows.err_l2.device), _w8(w_out))
@@ -287,10 +298,13 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
 
         threading.Thread(target=exact, name="hf_csv-screen-outliers").start()
     if pack_cpu and native is not False and _use_native(rows):
+        state.ready.set()
+        if rows.qi is not None:  # the quantizer wrote the interleaved copy in its pass: nothing left to build
+            state.set_native((rows.qi, True))
+            return state
         # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
         # background
         state.set_native((rows.q, False))
-        state.ready.set()
         if eager:
             finish_now(state)
             return state

@@ -55,6 +55,11 @@ for V, d in [(103, 70), (64, 32), (1001, 576), (7, 5), (517, 1536)]:
             est, up, top = native.screen_bounds(qq, s, il, H, cols, wJ, True, (1.0, 1e-3, 1e-5, 1e-6, 1e-7), terms,
                                                 bias, threads=2, chunk=16)
             res[f"{V}x{d}x{N}{'i' if il else 'r'}"] = [est, up, top]
+    W = torch.randn(V, d, generator=g) * torch.logspace(-4, 1, V)[:, None]
+    W[2] = 0
+    z = native.quantize_i8(W, threads=3)  # the one-pass quantizer and the outlier columns: the same on every path
+    wJ, low = native.outlier_cols(W, z["q"], z["scale"], cols, threads=2)
+    res[f"{V}x{d}quant"] = [z[k] for k in ("q", "qi", "scale", "err_l2", "l1", "abs_l1")] + [wJ, low]
 torch.save(res, out)
 print(json.dumps({"path": native.path(), "cases": len(res)}))
 """
@@ -168,6 +173,77 @@ def test_native_row_terms_are_rigorous_and_within_the_artifact_check():
         assert sum((a - b) ** 2 for a, b in zip(w, dq)) <= Fraction(float(r2.err_l2[i])) ** 2
         assert sum(abs(b) for b in dq) <= Fraction(float(r2.l1[i]))
         assert sum(abs(a) for a in w) <= Fraction(float(r2.abs_l1[i]))
+
+
+@pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
+@pytest.mark.parametrize("V,d", [(1001, 77), (1234, 256), (67, 31), (8, 1000), (5, 384), (4, 8)])
+def test_one_pass_quantizer_equals_the_torch_path_and_the_recompute(V, d, monkeypatch):
+    """hf_csv's C quantizer (a float32 CPU head's default): codes and scales bit for bit those of the torch path
+    (round half to even of W/s, ties included), error terms bit for bit those of the C recompute an artifact load runs,
+    and the interleaved copy :func:`native.interleave` makes, whatever the threads; a weight that is not finite is
+    refused as before."""
+    import hf_csv_kernels.quantize as qz
+
+    g = torch.Generator().manual_seed(V * 31 + d)
+    W = torch.randn(V, d, generator=g) * torch.logspace(-6, 2, V)[:, None]
+    W[min(3, V - 1)] = 0
+    W[0, : min(5, d)] = 1e-42  # subnormals beside normal weights
+    W[1] = (torch.arange(d) % 20 - 10) + 0.5  # amax 127 (below): s = 1, so W/s at exact halves: ties to even
+    W[1, 0] = 127
+    W[2] = torch.arange(d) - d / 2  # integers: exact quotients and clamped extremes
+    rows = [quantize_rows_int8(W, progress=False)] + [
+        qz.Int8Rows(**native.quantize_i8(W, threads=t)) for t in (1, 3)]
+    monkeypatch.setattr(qz, "_native_terms_ok", lambda *a: False)
+    ref = quantize_rows_int8(W, progress=False)  # the torch path
+    monkeypatch.undo()
+    assert ref.qi is None and rows[0].qi is not None
+    again = rows_from_codes(W, rows[0].q, rows[0].scale, progress=False)  # the C recompute
+    for r in rows:
+        assert torch.equal(r.q, ref.q) and torch.equal(r.scale, ref.scale)
+        for k in ("err_l2", "l1", "abs_l1"):
+            assert torch.equal(getattr(r, k), getattr(again, k)), k
+            assert (getattr(r, k) <= getattr(ref, k)).all(), k  # float64 sums: no looser than the float32 pass
+        assert torch.equal(r.qi, native.interleave(r.q)[0])
+    deq = ref.q.double() * ref.scale.double()[:, None]
+    assert (rows[0].err_l2.double() >= (W.double() - deq).norm(dim=1)).all()
+    bad = W.clone()
+    bad[V // 2, d // 2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_rows_int8(bad, progress=False)
+    bad[V // 2, d // 2] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        native.quantize_i8(bad, threads=2)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
+def test_exact_outlier_columns_in_one_pass_are_sound_and_equal_the_torch_path(monkeypatch):
+    """make_outliers' C pass (W[:, J] and the rows' squared errors on J) gives W[:, J] exactly and a rest-column
+    error term that bounds the real one, equal to the torch path's here; and a screen built from the one-pass
+    quantizer's rows serves its interleaved copy at once (no background copy)."""
+    g = torch.Generator().manual_seed(11)
+    V, d = 3001, 384
+    W = torch.randn(V, d, generator=g) * torch.logspace(-5, 1, V)[:, None]
+    rows = quantize_rows_int8(W, progress=False)
+    cols = torch.tensor([0, 5, 383, 100, 17])
+    a = scr.make_outliers(rows, cols, W)
+    monkeypatch.setattr(scr._native, "available", lambda: False)
+    b = scr.make_outliers(rows, cols, W)
+    monkeypatch.undo()
+    assert torch.equal(a.w, W[:, cols]) and torch.equal(a.w, b.w)
+    rest = torch.ones(d, dtype=torch.bool)
+    rest[cols] = False
+    real = (W.double() - rows.q.double() * rows.scale.double()[:, None])[:, rest].norm(dim=1)
+    assert (a.err_rest.double() >= real).all() and (b.err_rest.double() >= real).all()
+    assert torch.allclose(a.err_rest, b.err_rest, rtol=1e-6, atol=0)
+    started = []
+    monkeypatch.setattr(scr, "_interleave", lambda state: started.append(state))
+    state = scr.prepare_screen(rows, cols, weight=W)
+    assert state.native[0] is rows.qi and state.native[1] and state.ready.is_set() and not started
+    est, up, _ = native.screen_bounds(rows.qi, rows.scale, True, W[:2].clone(), cols, state.outliers.w8, True,
+                                      (1.0, 1e-3, 1e-5, 1e-6, 1e-7), [rows.err_l2, rows.l1, rows.abs_l1], None)
+    est2, up2, _ = native.screen_bounds(rows.q, rows.scale, False, W[:2].clone(), cols, state.outliers.w8, True,
+                                        (1.0, 1e-3, 1e-5, 1e-6, 1e-7), [rows.err_l2, rows.l1, rows.abs_l1], None)
+    assert torch.equal(est, est2) and torch.equal(up, up2)
 
 
 @pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")

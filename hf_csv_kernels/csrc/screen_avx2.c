@@ -340,34 +340,6 @@ done:
     return ran;
 }
 
-/* The interleaved copy of q (see the layout above) and the smallest code, in one pass. */
-int hf_csv_interleave4(const int8_t *q, int64_t V, int64_t d, int8_t *out) {
-    const int64_t d32 = d & ~31LL, V4 = V & ~3LL;
-    int mn = 127;
-    for (int64_t i = 0; i < V4; i += 4) {
-        const int8_t *w = q + i * d;
-        int8_t *o = out + i * d;
-        for (int64_t j = 0; j < d32; j += 32)
-            for (int k = 0; k < 4; k++)
-                for (int t = 0; t < 32; t++) {
-                    int8_t v = w[k * d + j + t];
-                    o[4 * j + 32 * k + t] = v;
-                    if (v < mn) mn = v;
-                }
-        for (int k = 0; k < 4; k++)
-            for (int64_t j = d32; j < d; j++) {
-                int8_t v = w[k * d + j];
-                o[4 * d32 + k * (d - d32) + (j - d32)] = v;
-                if (v < mn) mn = v;
-            }
-    }
-    for (int64_t i = V4 * d; i < V * d; i++) {
-        out[i] = q[i];
-        if (q[i] < mn) mn = q[i];
-    }
-    return mn;
-}
-
 /* The smallest code of q (n bytes). */
 int hf_csv_min_i8(const int8_t *q, int64_t n) {
     __m256i m = _mm256_set1_epi8(127);
@@ -381,6 +353,24 @@ int hf_csv_min_i8(const int8_t *q, int64_t n) {
     return mn;
 }
 
+/* One block of 4 rows (w: 4 row-major rows of d codes) into the interleaved layout above (o: 4 * d bytes). */
+static inline void interleave_block(const int8_t *w, int64_t d, int8_t *o) {
+    const int64_t d32 = d & ~31LL;
+    for (int64_t j = 0; j < d32; j += 32)
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_si256((__m256i *)(o + 4 * j + 32 * k), _mm256_loadu_si256((const __m256i *)(w + k * d + j)));
+    for (int k = 0; k < 4; k++)
+        memcpy(o + 4 * d32 + k * (d - d32), w + k * d + d32, (size_t)(d - d32));
+}
+
+/* The interleaved copy of q (see the layout above) and the smallest code, in one pass. */
+int hf_csv_interleave4(const int8_t *q, int64_t V, int64_t d, int8_t *out) {
+    const int64_t V4 = V & ~3LL;
+    for (int64_t i = 0; i < V4; i += 4) interleave_block(q + i * d, d, out + i * d);
+    memcpy(out + V4 * d, q + V4 * d, (size_t)((V - V4) * d));
+    return hf_csv_min_i8(q, V * d);
+}
+
 /* Per row i of a float32 head w [V, d] and its codes q (int8, scale s_i), in float64 / int64:
    err2[i] = sum_j (w_ij - s_i q_ij)^2, l1q[i] = sum_j |q_ij|, absl1[i] = sum_j |w_ij|.
    s_i q_ij is exact in float64 (24 + 8 bits); each difference, square and add rounds once (relative 2^-53),
@@ -391,37 +381,55 @@ typedef struct {
     int64_t V, d, chunk; atomic_long next;
 } terms_t;
 
+/* The three sums of one row (the function both the recompute and the quantizer below run, so their terms agree bit
+   for bit): 8 partial sums each (two vectors of 4; column j goes to lane j mod 8 below the last multiple of 8, the rest
+   to lane 0), then ((p0 + p4) + (p1 + p5)) + ((p2 + p6) + (p3 + p7)). Any order is covered by the error bound. Each
+   step is the scalar one: s q_j in float64 is exact; the difference, its square and each add round once. */
+static inline void row_terms_1(const float *w, const int8_t *q, double s, int64_t d, double *err2, int64_t *l1q,
+                               double *absl1) {
+    const __m256d sv = _mm256_set1_pd(s);
+    const __m256d absmask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+    __m256d e0 = _mm256_setzero_pd(), e1 = _mm256_setzero_pd(), a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    __m256i l = _mm256_setzero_si256();  /* |q| <= 127: each lane below 2^31 for d < MAX_D */
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 wf = _mm256_loadu_ps(w + j);
+        const __m256d w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(wf)), w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(wf, 1));
+        const __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+        const __m256d q0 = _mm256_cvtepi32_pd(_mm256_castsi256_si128(qi)), q1 = _mm256_cvtepi32_pd(_mm256_extracti128_si256(qi, 1));
+        const __m256d x0 = _mm256_sub_pd(w0, _mm256_mul_pd(sv, q0)), x1 = _mm256_sub_pd(w1, _mm256_mul_pd(sv, q1));
+        e0 = _mm256_add_pd(e0, _mm256_mul_pd(x0, x0));
+        e1 = _mm256_add_pd(e1, _mm256_mul_pd(x1, x1));
+        a0 = _mm256_add_pd(a0, _mm256_and_pd(w0, absmask));
+        a1 = _mm256_add_pd(a1, _mm256_and_pd(w1, absmask));
+        l = _mm256_add_epi32(l, _mm256_abs_epi32(qi));
+    }
+    double e[8], a[8];
+    int32_t li[8];
+    _mm256_storeu_pd(e, e0), _mm256_storeu_pd(e + 4, e1), _mm256_storeu_pd(a, a0), _mm256_storeu_pd(a + 4, a1);
+    _mm256_storeu_si256((__m256i *)li, l);
+    for (; j < d; j++) {
+        const double x = (double)w[j] - s * (double)q[j];
+        e[0] += x * x;
+        a[0] += (double)fabsf(w[j]);
+        li[0] += abs((int)q[j]);
+    }
+    *err2 = ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
+    *absl1 = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+    int64_t t = 0;
+    for (int k = 0; k < 8; k++) t += li[k];
+    *l1q = t;
+}
+
 static void *terms_worker(void *p) {
     terms_t *T = (terms_t *)p;
     for (;;) {
         int64_t lo = atomic_fetch_add(&T->next, T->chunk);
         if (lo >= T->V) break;
         int64_t hi = lo + T->chunk < T->V ? lo + T->chunk : T->V;
-        for (int64_t i = lo; i < hi; i++) {
-            const float *w = T->w + i * T->d;
-            const int8_t *q = T->q + i * T->d;
-            const double s = (double)T->scale[i];
-            /* four partial sums each (any order is covered by the error bound), so the loop vectorizes */
-            double e[4] = {0, 0, 0, 0}, a[4] = {0, 0, 0, 0};
-            int32_t l[4] = {0, 0, 0, 0};  /* |q| <= 127: below 2^31 for d < MAX_D */
-            int64_t j = 0;
-            for (; j + 4 <= T->d; j += 4)
-                for (int k = 0; k < 4; k++) {
-                    const double x = (double)w[j + k] - s * (double)q[j + k];
-                    e[k] += x * x;
-                    a[k] += (double)fabsf(w[j + k]);
-                    l[k] += abs((int)q[j + k]);
-                }
-            for (; j < T->d; j++) {
-                const double x = (double)w[j] - s * (double)q[j];
-                e[0] += x * x;
-                a[0] += (double)fabsf(w[j]);
-                l[0] += abs((int)q[j]);
-            }
-            T->err2[i] = (e[0] + e[1]) + (e[2] + e[3]);
-            T->absl1[i] = (a[0] + a[1]) + (a[2] + a[3]);
-            T->l1q[i] = (int64_t)l[0] + l[1] + l[2] + l[3];
-        }
+        for (int64_t i = lo; i < hi; i++)
+            row_terms_1(T->w + i * T->d, T->q + i * T->d, (double)T->scale[i], T->d, T->err2 + i, T->l1q + i,
+                        T->absl1 + i);
     }
     return 0;
 }
@@ -431,6 +439,135 @@ int hf_csv_row_terms(const float *w, const int8_t *q, const float *scale, int64_
     terms_t T = {w, q, scale, err2, l1q, absl1, V, d, 1024};
     atomic_init(&T.next, 0);
     return run_threads(terms_worker, &T, threads);
+}
+
+/* The quantizer of hf_csv_kernels.quantize._quantize_chunk (int8), bit for bit, with its terms and the interleaved
+   copy in the same pass over the float32 head w [V, d]. Per row: amax = max_j |w_j| (exact); s = amax / 127 (float32,
+   correctly rounded, as torch's division), or 1 where that is not > 0 (an all-zero row: any scale is exact);
+   q_j = clamp(round(w_j / s), -127, 127) with the float32 quotient correctly rounded and round-half-to-even (torch's
+   round); so never -128. Then the row's sums as hf_csv_row_terms (the same function) and, with qi, the rows' 4-row
+   interleaved copy (the layout above; chunks of rows are multiples of 4, so a block never straddles two threads).
+   Returns 0, or -1 (the outputs partly written) when a weight is not finite. */
+typedef struct {
+    const float *w; int8_t *q, *qi; float *scale; double *err2; int64_t *l1q; double *absl1;
+    int64_t V, d, chunk; atomic_long next; atomic_int bad;
+} quant_t;
+
+static int quant_row(const float *w, int64_t d, int8_t *q, float *scale) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 fmax = _mm256_set1_ps(3.40282347e+38f);
+    __m256 m = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(w + j), absmask);
+        ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, fmax, _CMP_LE_OQ));  /* false for inf and NaN */
+        m = _mm256_max_ps(m, a);
+    }
+    float mm[8], amax = 0.0f;
+    _mm256_storeu_ps(mm, m);
+    int bad = _mm256_movemask_ps(ok) != 0xff;
+    for (int k = 0; k < 8; k++) if (mm[k] > amax) amax = mm[k];
+    for (; j < d; j++) {
+        const float a = fabsf(w[j]);
+        if (!(a <= 3.40282347e+38f)) bad = 1;
+        if (a > amax) amax = a;
+    }
+    if (bad) return -1;
+    float s = amax / 127.0f;
+    if (!(s > 0.0f)) s = 1.0f;
+    *scale = s;
+    const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (j = 0; j + 32 <= d; j += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 x = _mm256_div_ps(_mm256_loadu_ps(w + j + 8 * k), sv);
+            x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));  /* integers: converted exactly */
+        }
+        /* int32 -> int8 (no saturation: |v| <= 127); the packs interleave 128-bit lanes, the permute restores order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(p, perm));
+    }
+    for (; j < d; j++) {
+        float x = nearbyintf(w[j] / s);  /* the default rounding mode: to nearest, ties to even */
+        x = x < -127.0f ? -127.0f : (x > 127.0f ? 127.0f : x);
+        q[j] = (int8_t)x;
+    }
+    return 0;
+}
+
+static void *quant_worker(void *p) {
+    quant_t *T = (quant_t *)p;
+    const int64_t d = T->d, V4 = T->V & ~3LL;
+    for (;;) {
+        if (atomic_load(&T->bad)) break;
+        const int64_t lo = atomic_fetch_add(&T->next, T->chunk);
+        if (lo >= T->V) break;
+        const int64_t hi = lo + T->chunk < T->V ? lo + T->chunk : T->V;
+        for (int64_t i = lo; i < hi; i++) {
+            if (quant_row(T->w + i * d, d, T->q + i * d, T->scale + i)) {
+                atomic_store(&T->bad, 1);
+                return 0;
+            }
+            row_terms_1(T->w + i * d, T->q + i * d, (double)T->scale[i], d, T->err2 + i, T->l1q + i, T->absl1 + i);
+        }
+        if (T->qi) {
+            int64_t i = lo;
+            for (; i + 4 <= hi && i < V4; i += 4) interleave_block(T->q + i * d, d, T->qi + i * d);
+            if (i < hi) memcpy(T->qi + i * d, T->q + i * d, (size_t)((hi - i) * d));  /* the last V % 4 rows */
+        }
+    }
+    return 0;
+}
+
+int hf_csv_quantize_i8(const float *w, int64_t V, int64_t d, int8_t *q, int8_t *qi, float *scale, double *err2,
+                       int64_t *l1q, double *absl1, int threads) {
+    quant_t T = {w, q, qi, scale, err2, l1q, absl1, V, d, 64};
+    atomic_init(&T.next, 0);
+    atomic_init(&T.bad, 0);
+    run_threads(quant_worker, &T, threads);
+    return atomic_load(&T.bad) ? -1 : 0;
+}
+
+/* The exact outlier columns of a screen (hf_csv_kernels.screen.make_outliers) in one pass over the rows: wJ[i, t] =
+   w[i, cols[t]] (float32 [V, k], copied exactly) and low[i] = sum_t (w[i, cols[t]] - s_i q[i, cols[t]])^2 in float64
+   (s_i q exact; the difference, the square and each add round once: within (k + 2) 2^-53 relatively of the real sum,
+   any order; make_outliers lowers it by 1e-12 relatively, for k <= 1000). Rows go to threads in chunks. */
+typedef struct {
+    const float *w; const int8_t *q; const float *scale; const int64_t *cols; float *wJ; double *low;
+    int64_t V, d, k, chunk; atomic_long next;
+} outl_t;
+
+static void *outl_worker(void *p) {
+    outl_t *T = (outl_t *)p;
+    for (;;) {
+        const int64_t lo = atomic_fetch_add(&T->next, T->chunk);
+        if (lo >= T->V) break;
+        const int64_t hi = lo + T->chunk < T->V ? lo + T->chunk : T->V;
+        for (int64_t i = lo; i < hi; i++) {
+            const float *w = T->w + i * T->d;
+            const int8_t *q = T->q + i * T->d;
+            const double s = (double)T->scale[i];
+            float *o = T->wJ + i * T->k;
+            double acc = 0;
+            for (int64_t t = 0; t < T->k; t++) {
+                const int64_t j = T->cols[t];
+                const double x = (double)w[j] - s * (double)q[j];
+                o[t] = w[j];
+                acc += x * x;
+            }
+            T->low[i] = acc;
+        }
+    }
+    return 0;
+}
+
+int hf_csv_outlier_cols(const float *w, const int8_t *q, const float *scale, int64_t V, int64_t d, const int64_t *cols,
+                        int64_t k, float *wJ, double *low, int threads) {
+    outl_t T = {w, q, scale, cols, wJ, low, V, d, k, 2048};
+    atomic_init(&T.next, 0);
+    return run_threads(outl_worker, &T, threads);
 }
 
 /* ------------------------------------------------------------------------------------------------------------------
