@@ -96,6 +96,26 @@ def test_rows_from_codes_bounds_any_codes():
     assert bool((rows.l1.double() >= (q.double() * s.double()[:, None]).abs().sum(1)).all())
 
 
+def test_a_screen_saved_with_the_c_quantizer_loads_on_a_host_without_it(monkeypatch):
+    """Stored terms from the C quantizer's float64 sums, recomputed by the float32 pass (a host without the C kernel):
+    the check allows the float32 pass's own margin, which grows with the hidden size (here d = 20,000, where it
+    exceeds the fixed 1e-3 slack)."""
+    from hf_csv.artifact import ScreenData
+    import hf_csv_kernels.quantize as qz
+
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(6, 20000, generator=g)
+    r = qz.quantize_rows_int8(W, progress=False)
+    sd = ScreenData("int8", {"q": r.q, "scale": r.scale, "err_l2": r.err_l2, "l1": r.l1, "abs_l1": r.abs_l1,
+                             "outlier_cols": torch.zeros(0, dtype=torch.long)})
+    monkeypatch.setattr(qz, "_native_terms_ok", lambda *a: False)
+    rows = sd.rows_for(W)
+    assert torch.equal(rows.q, r.q)
+    sd.tensors["err_l2"] = r.err_l2 * 0.99  # a stored term 1 % below its recompute is still refused
+    with pytest.raises(FingerprintMismatchError):
+        sd.rows_for(W)
+
+
 def test_flipped_byte_truncated_wrong_shape_and_foreign_head(tmp_path):
     m = _model()
     _build(m, tmp_path)
