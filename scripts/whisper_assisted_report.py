@@ -23,7 +23,9 @@ clips each. ``--pipeline``: ``pipeline("automatic-speech-recognition", chunk_len
 than 60 s (the held-out clips, repeated) with ``num_beams=1`` (the pipeline's default is 5 beams), the three modes
 interleaved over ``--runs``, identical texts required. Also: the step cost ratio c of one cached decoder step
 (assistant over target, full heads) and the greedy ceiling max_k (1 - a^(k+1)) / ((1 - a) (k c + 1)) (Leviathan et
-al. 2023, eq. 1, the verify costed as one target step).
+al. 2023, eq. 1, the verify costed as one target step); ``step_costs`` splits each step into body and head (full and
+hf_csv's certified top-1 call), and ``step_cost_ratio_certified`` / ``ceiling_certified_vs_plain_certified`` are c
+and the ceiling with both heads certified (against plain decoding with hf_csv's head).
 """
 from __future__ import annotations
 
@@ -163,10 +165,15 @@ def main(argv=None) -> int:
         (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule,
          draft.generation_config.assistant_confidence_threshold) = saved
     AssistedCandidateGenerator.update_candidate_strategy = orig_update
-    c_ratio = _step_cost_ratio(m, draft, feats[0], a.runs)
+    costs = _step_costs(m, draft, feats[0], a.runs)
+    c_ratio = costs["c_full"]
     acc = accepted / max(1, drafted)
-    ceiling = max(((1 - acc ** (k + 1)) / ((1 - acc) * (k * c_ratio + 1)) if acc < 1 else (k + 1) / (k * c_ratio + 1))
-                  for k in range(1, 33))
+
+    def ceiling_for(c: float) -> float:
+        return max(((1 - acc ** (k + 1)) / ((1 - acc) * (k * c + 1)) if acc < 1 else (k + 1) / (k * c + 1))
+                   for k in range(1, 33))
+
+    ceiling = ceiling_for(c_ratio)
     pipe_rep = _pipeline(m, proc, draft, kw, a.runs) if a.pipeline else None
     from _load import machine_load
 
@@ -188,7 +195,9 @@ def main(argv=None) -> int:
            "decoder_only_speedup_vs_plain": (med_s["plain"] - enc_s) / (med_s["assisted_csv"] - enc_s),
            "decoder_only_speedup_vs_stock_assisted": (med_s["assisted_stock"] - enc_s) / (med_s["assisted_csv"] - enc_s),
            "by_draft_length": by_k, "pipeline": pipe_rep,
-           "step_cost_ratio": c_ratio, "ceiling_greedy_assisted_vs_plain": ceiling}
+           "step_cost_ratio": c_ratio, "ceiling_greedy_assisted_vs_plain": ceiling, "step_costs": costs,
+           "step_cost_ratio_certified": costs["c_certified"],
+           "ceiling_certified_vs_plain_certified": ceiling_for(costs["c_certified"])}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rep, indent=2))
     print(json.dumps({k: v for k, v in rep.items() if k not in ("tokens_per_s_runs", "transcripts")}, indent=2))
@@ -225,30 +234,62 @@ def _pipeline(m, proc, draft, kw, runs: int) -> dict:
 
 
 @torch.no_grad()
-def _step_cost_ratio(m, draft, feat, runs: int) -> float:
-    """Median time of one cached decoder step of the assistant over the target's (32-token decodes after
-    one shared encoder pass; both with the full head, as stock runs them)."""
+def _step_costs(m, draft, feat, runs: int) -> dict:
+    """One cached decoder step of the assistant and of the target, split into body and head (32-token decodes after
+    one shared encoder pass, medians over ``max(3, runs)`` decodes): ``step_ms`` with the full head as stock runs it,
+    ``head_full_ms`` the full head alone and ``head_certified_ms`` hf_csv's certified top-1 call alone on the rows the
+    steps fed the head (the draft's own greedy call; the target's verify calls in generate may take more tokens), so
+    ``body_ms = step_ms - head_full_ms``. ``c_full`` is the assistant's step over the target's with full heads (the
+    earlier ``step_cost_ratio``); ``c_certified`` with both heads certified (body + certified head)."""
+    import hf_csv
+    from hf_csv.head import find_head, get_certified_head
+
     enc = m.get_encoder()(feat)
     start = torch.tensor([[m.generation_config.decoder_start_token_id]])
+    cfg = hf_csv.CSVConfig()
 
-    def steps(model, kw) -> float:
+    def split(model) -> dict:
         from transformers import DynamicCache
 
-        cache = DynamicCache()
-        ids = start
-        t0 = time.perf_counter()
-        for _ in range(32):
-            out = model(**kw, **{("decoder_input_ids" if model is m else "input_ids"): ids},
-                        past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            ids = out.logits[:, -1:].argmax(-1)
-        return (time.perf_counter() - t0) / 32
+        _, head = find_head(model)
+        rows: list = []
+        hook = head.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].detach().reshape(-1, inp[0].shape[-1])[-1:].clone()))
+        steps = []
+        try:
+            for _ in range(max(3, runs)):
+                cache, ids = DynamicCache(), start
+                rows.clear()
+                t0 = time.perf_counter()
+                for _ in range(32):
+                    out = model(encoder_outputs=enc, **{("decoder_input_ids" if model is m else "input_ids"): ids},
+                                past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                    ids = out.logits[:, -1:].argmax(-1)
+                steps.append((time.perf_counter() - t0) / 32)
+        finally:
+            hook.remove()
+        ch = get_certified_head(head, cfg)
+        for H in rows[:4]:  # the build and the column re-choice happen here, untimed
+            ch.topk(H, k=1)
 
-    ts, td = [], []
-    for _ in range(max(3, runs)):
-        ts.append(steps(m, {"encoder_outputs": enc}))
-        td.append(steps(draft, {"encoder_outputs": enc}))
-    return statistics.median(td) / statistics.median(ts)
+        def per_row(fn) -> float:
+            ts = []
+            for _ in range(max(3, runs)):
+                for H in rows:
+                    t0 = time.perf_counter()
+                    fn(H)
+                    ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+        full = per_row(lambda H: head(H))
+        cert = per_row(lambda H: ch.topk(H, k=1))
+        step = statistics.median(steps)
+        return {"step_ms": 1e3 * step, "head_full_ms": 1e3 * full, "head_certified_ms": 1e3 * cert,
+                "body_ms": 1e3 * (step - full)}
+
+    t, d = split(m), split(draft)
+    cert = lambda x: x["body_ms"] + x["head_certified_ms"]  # noqa: E731
+    return {"target": t, "assistant": d, "c_full": d["step_ms"] / t["step_ms"], "c_certified": cert(d) / cert(t)}
 
 
 if __name__ == "__main__":

@@ -80,3 +80,23 @@ def test_draft_init_distil_save_and_assist(tmp_path):
         stock = m.generate(f, max_new_tokens=12, do_sample=False, assistant_model=loaded)
         csv = m.generate(f, max_new_tokens=12, do_sample=False, assistant_model=loaded, csv_config=CSVConfig())
         assert torch.equal(stock, plain) and torch.equal(csv, plain)
+
+
+def test_step_costs_split_each_step_into_body_and_heads():
+    """scripts/whisper_assisted_report.py's step split (issue 40): for target and draft, a step with the full head,
+    the full head alone and hf_csv's certified top-1 call alone, on the rows the steps fed the head; c with full heads
+    and with certified ones."""
+    import whisper_assisted_report as R
+
+    m = _tiny_whisper(seed=4)
+    draft = T.init_draft(m).eval()
+    feat = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        costs = R._step_costs(m, draft, feat, runs=1)
+    for side in ("target", "assistant"):
+        c = costs[side]
+        assert c["step_ms"] > 0 and c["head_full_ms"] > 0 and c["head_certified_ms"] > 0
+        assert abs(c["body_ms"] - (c["step_ms"] - c["head_full_ms"])) < 1e-9
+    assert costs["c_full"] == costs["assistant"]["step_ms"] / costs["target"]["step_ms"]
+    cert = [costs[x]["body_ms"] + costs[x]["head_certified_ms"] for x in ("assistant", "target")]
+    assert abs(costs["c_certified"] - cert[0] / cert[1]) < 1e-12
