@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import time
 from typing import Optional
 
@@ -106,6 +107,37 @@ class CSVLogitsProcessor(LogitsProcessor):
         out = check_step(self, sess, input_ids, scores)
         flush_guard(sess, time.perf_counter() - t0)  # the speed guard compares whole steps (hf_csv.step)
         return out
+
+
+_MASK_ONCE: dict = {}  # stock class -> its mask-once subclass (same name)
+
+
+def mask_once(p: LogitsProcessor) -> LogitsProcessor:
+    """A copy of transformers' ``SuppressTokensLogitsProcessor`` ``p`` that takes its vocabulary mask once per call list
+    instead of on every call. Stock's processor rebuilds the mask each time (``arange(V)`` and ``isin``: about 1 ms on
+    Whisper's 51,865 tokens, and assisted decoding calls it for every drafted and verified position:
+    docs/benchmarks.md §10.1). The mask is read off stock's own processor (its output on a row of zeros: −inf exactly
+    where it suppresses; a masking processor, ``hf_csv.plan.MASKS_ONLY``, whose mask comes from its settings alone,
+    not from the scores or the input ids), then applied as stock applies it, ``where(mask, −inf, scores)``: the same
+    scores bit for bit, in any dtype.
+    The copy's class is a subclass with the same name (hf_csv.plan reads processors by class name); the caller's
+    instance is untouched."""
+    cls = type(p)
+    sub = _MASK_ONCE.get(cls)
+    if sub is None:
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            mask = self.__dict__.get("_csv_mask")
+            if mask is None or mask.shape[-1] != scores.shape[-1] or mask.device != scores.device:
+                probe = cls.__call__(self, input_ids[:1], scores.new_zeros(1, scores.shape[-1]))
+                mask = self._csv_mask = torch.isneginf(probe[0])
+            return torch.where(mask, -float("inf"), scores)
+
+        sub = _MASK_ONCE[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": __name__,
+                                                            "__qualname__": cls.__qualname__})
+    out = copy.copy(p)
+    out.__class__ = sub
+    out.__dict__.pop("_csv_mask", None)
+    return out
 
 
 class FullHeadDuring(LogitsProcessor):

@@ -28,7 +28,7 @@ from .patches import instance_override, shared
 from .plan import Full
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
 from .posthead import post_head_of
-from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope
+from .processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope, mask_once
 from .speed import cuda_reason
 from .step import active_session, check_post, track_length
 
@@ -111,8 +111,9 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         plan = decide_mode(sess, gc, others)
         if not isinstance(plan, Full):
             # Whisper's no-speech detection reads stock's logits (its own forward on the stock head, or stock's row)
-            others = [FullHeadDuring(p, sess) if type(p).__name__ == "WhisperNoSpeechDetection" else p
-                      for p in others]
+            # and Whisper's suppress-token mask built once per call instead of at every position (the same scores)
+            others = [FullHeadDuring(p, sess) if type(p).__name__ == "WhisperNoSpeechDetection"
+                      else mask_once(p) if type(p).__name__ == "SuppressTokensLogitsProcessor" else p for p in others]
         if not plan.supported_by(sess.head):
             sess.set_full(f"the vocabulary-parallel head certifies {sorted(sess.head.modes)} only, not {plan.name!r}")
         if sess.verify and not getattr(sess.head, "bounds_uncomputed", True):
