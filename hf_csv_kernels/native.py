@@ -456,6 +456,16 @@ def check_bounds_inputs(q: torch.Tensor, scale: torch.Tensor, cols: torch.Tensor
 _RAISE = 1.0 + 1e-10
 
 
+def _check_head_codes(fn: str, weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """ValueError unless ``weight`` [V, d] float32, ``q`` [V, d] int8 and ``scale`` [V] float32 are contiguous CPU
+    tensors (``V, d`` from ``q``): what the C passes over a head and its codes read."""
+    V, d = q.shape
+    for t, dt, shape in ((weight, torch.float32, (V, d)), (q, torch.int8, (V, d)), (scale, torch.float32, (V,))):
+        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{fn}: expected a contiguous CPU {dt} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+
+
 def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
               threads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(err_l2, l1, abs_l1), float32 [V]: rounded-up bounds on ||W_i − s_i q_i||_2, ||s_i q_i||_1 and ||W_i||_1 for a
@@ -471,10 +481,7 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     V, d = q.shape
     if d > MAX_D:
         raise ValueError(f"hidden size {d} > {MAX_D}")
-    for t, dt, shape in ((weight, torch.float32, (V, d)), (q, torch.int8, (V, d)), (scale, torch.float32, (V,))):
-        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"row_terms: expected a contiguous CPU {dt} tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    _check_head_codes("row_terms", weight, q, scale)
     err2 = torch.empty(V, dtype=torch.float64)
     absl1 = torch.empty(V, dtype=torch.float64)
     l1q = torch.empty(V, dtype=torch.int64)
@@ -533,10 +540,7 @@ def outlier_cols(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col
     lib = _lib_or_raise()
     V, d = q.shape
     cols = cols.to(torch.int64).contiguous()
-    for t, dt, shape in ((weight, torch.float32, (V, d)), (q, torch.int8, (V, d)), (scale, torch.float32, (V,))):
-        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"outlier_cols: expected a contiguous CPU {dt} tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    _check_head_codes("outlier_cols", weight, q, scale)
     k = cols.numel()
     if k and (int(cols.min()) < 0 or int(cols.max()) >= d):
         raise ValueError(f"outlier columns must lie in [0, {d})")

@@ -225,7 +225,7 @@ def quantize_rows_int8(weight: torch.Tensor, chunk_rows: Optional[int] = None, p
     error terms of :func:`rows_from_codes`' C recompute, and the interleaved copy the screen reads, in one pass over
     the weight; ``chunk_rows`` and ``progress`` do not apply); anything else takes the chunked torch path.
     """
-    if weight.dim() == 2 and _native_terms_ok(weight, weight.new_empty(0, dtype=torch.int8), None):
+    if weight.dim() == 2 and _native_terms_ok(weight):
         from . import native
 
         return _check_scale_size(Int8Rows(**native.quantize_i8(weight)))
@@ -249,10 +249,13 @@ def quantize_rows_fp8(weight: torch.Tensor, chunk_rows: Optional[int] = None, pr
     return _quantize_rows(weight, chunk_rows, torch.float8_e4m3fn, FP8_E4M3_MAX, progress)
 
 
-def _native_terms_ok(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> bool:
-    """hf_csv's one-pass C kernel computes these terms (float32 CPU head, int8 codes, kernel available)."""
-    if not (weight.dtype == torch.float32 and q.dtype == torch.int8 and weight.device.type == "cpu"
-            and q.device.type == "cpu" and weight.is_contiguous() and q.is_contiguous()):
+def _native_terms_ok(weight: torch.Tensor, q: Optional[torch.Tensor] = None,
+                     scale: Optional[torch.Tensor] = None) -> bool:
+    """hf_csv's one-pass C kernel serves this head (a contiguous float32 CPU head, and its contiguous int8 CPU codes
+    where ``q`` is given; the kernel available): the quantizer, the terms' recompute and the exact outlier columns."""
+    if not (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()):
+        return False
+    if q is not None and not (q.dtype == torch.int8 and q.device.type == "cpu" and q.is_contiguous()):
         return False
     from . import native
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from . import native as _native
-from .quantize import Int8Rows, gamma, round_up_f32, unit_roundoff
+from .quantize import Int8Rows, _native_terms_ok, gamma, round_up_f32, unit_roundoff
 
 __all__ = ["ScreenState", "Outliers", "make_outliers", "prepare_screen", "screen_int8_reference", "screen_int8_cpu", "fbgemm_available",
            "weight_only_radius", "screen_bounds_cpu"]
@@ -212,9 +212,7 @@ def make_outliers(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None,
     if weight is not None and outlier_cols.numel():
         if tuple(weight.shape) != (V, d):
             raise ValueError(f"weight {tuple(weight.shape)} does not fit the screen rows {(V, d)}")
-        if (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-                and rows.q.dtype == torch.int8 and rows.q.is_contiguous() and outlier_cols.numel() <= 1000
-                and _native.available()):
+        if _native_terms_ok(weight, rows.q) and outlier_cols.numel() <= 1000:
             # one pass over the rows in C: the k columns and their squared errors (a strided gather per column is
             # a cache miss per row and column, twice)
             w_out, low = _native.outlier_cols(weight, rows.q, rows.scale.contiguous(), outlier_cols)
@@ -298,15 +296,12 @@ def prepare_screen(rows: Int8Rows, outlier_cols: Optional[torch.Tensor] = None, 
 
         threading.Thread(target=exact, name="hf_csv-screen-outliers").start()
     if pack_cpu and native is not False and _use_native(rows):
+        # no prepack: the kernel reads the interleaved copy where the quantizer wrote one in its pass, else the codes
+        # as they are at once, the interleaved copy following in the background
+        state.set_native((rows.qi, True) if rows.qi is not None else (rows.q, False))
         state.ready.set()
-        if rows.qi is not None:  # the quantizer wrote the interleaved copy in its pass: nothing left to build
-            state.set_native((rows.qi, True))
-            return state
-        # no prepack: the kernel reads the codes as they are at once; the interleaved copy follows in the
-        # background
-        state.set_native((rows.q, False))
-        if eager:
-            finish_now(state)
+        if eager or rows.qi is not None:
+            finish_now(state)  # (a no-op where the interleaved copy is in place)
             return state
         # not daemons (here and below): interpreter exit waits for them (a native call cannot be interrupted safely)
         threading.Thread(target=_interleave, args=(state,), name="hf_csv-screen-interleave").start()
