@@ -13,7 +13,7 @@ from its cache). The model load is not timed. Greedy, fp32, batch 1.
 
 Writes: the per-round times of each side, their medians, ``ratio`` (stock's median over csv's: above 1, the certified
 first call is faster), ``csv_faster_rounds``, ``identical`` (every process's tokens equal), threads, the machine
-load before and after, and the ``lscpu`` model name and flags that matter (avx2, avx512_vnni, avx_vnni).
+load before and after, and the CPU's model name, cores and the SIMD flags hf_csv's kernels look at (``_load.cpu_info``).
 """
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _load import cpu_info  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(HERE))
     import hf_csv
     from bench_generate import load
 
@@ -47,18 +49,6 @@ def child(args: argparse.Namespace) -> None:
     t = time.perf_counter() - t0
     stats = getattr(model, "csv_last_stats", None) if args.child == "csv" else None
     print(json.dumps({"t": t, "tokens": out.tolist(), "summary": (stats or {}).get("summary")}))
-
-
-def lscpu() -> dict:
-    try:
-        txt = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    info = dict(line.split(":", 1) for line in txt.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return {"model_name": info.get("Model name", "").strip(), "cpus": info.get("CPU(s)", "").strip(),
-            "flags": sorted(flags & {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-                                     "avx512_bf16"})}
 
 
 def main() -> None:
@@ -95,7 +85,7 @@ def main() -> None:
            "median_stock_s": med["stock"], "median_csv_s": med["csv"], "ratio": med["stock"] / med["csv"],
            "csv_faster_rounds": sum(c < s for s, c in zip(times["stock"], times["csv"])),
            "identical": all(o == outs[0] for o in outs), "csv_summary_last": summaries[-1],
-           "load_before": load_before, "load_after": os.getloadavg(), "lscpu": lscpu()}
+           "load_before": load_before, "load_after": os.getloadavg(), "cpu": cpu_info()}
     print(json.dumps({k: res[k] for k in ("model", "median_stock_s", "median_csv_s", "ratio", "csv_faster_rounds",
                                           "identical")}))
     if args.json:
