@@ -158,13 +158,11 @@ def check_tp_auto(rank, world, out, model_dir):
     out["tp_auto"] = (sharded, torch.equal(tp, ref), torch.equal(o.sequences, tp), o.csv_stats.get("certified", 0))
 
 
-def run(rank: int, world: int, port: int, outdir: str, checks: list, model_dir: str | None) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # what torchrun sets (transformers' tp_plan="auto" reads them)
+def run(rank: int, world: int, store: str, outdir: str, checks: list, model_dir: str | None) -> None:
+    # what torchrun sets (transformers' tp_plan="auto" reads them; the group itself meets through the file ``store``)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     out = {}
     try:
         for c in checks:

@@ -1,6 +1,4 @@
 """Vocabulary-parallel certified head on torch.distributed (gloo, CPU; 2 and 4 ranks via torch.multiprocessing)."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -9,14 +7,11 @@ import dist_worker
 from conftest import MODELS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world, checks, tmp_path, model_dir=None):
-    mp.spawn(dist_worker.run, args=(world, _free_port(), str(tmp_path), checks, model_dir), nprocs=world, join=True)
+    # the ranks meet through a file store in the test's own directory, not a TCP port picked here and bound later
+    # by rank 0 (another process could take the port in between)
+    mp.spawn(dist_worker.run, args=(world, str(tmp_path / "store"), str(tmp_path), checks, model_dir), nprocs=world,
+             join=True)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, o in enumerate(outs):
         assert "error" not in o, f"rank {r}:\n{o['error']}"
