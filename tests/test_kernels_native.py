@@ -249,9 +249,9 @@ def test_exact_outlier_columns_in_one_pass_are_sound_and_equal_the_torch_path(mo
 @pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
 def test_native_kernel_certifies_the_first_call_and_serves_calls_of_several_rows(monkeypatch):
     """With the native kernel a head is certified from its first step (no prepack to wait for), and calls of several
-    rows stay on it: fbgemm's pack is never built (docs/benchmarks.md §9.12: the native kernel is at least as fast
-    up to 8 rows, and its 8-bit activations bound tighter). fbgemm's path, where the native kernel does not serve,
-    is as sound."""
+    rows stay on it: fbgemm's pack is never built (its per-row activation scales bound rows of different
+    magnitudes tighter than fbgemm's one scale per call; docs/benchmarks.md §9.12). fbgemm's path, where the native
+    kernel does not serve, is as sound."""
     import hf_csv
 
     packs = []
