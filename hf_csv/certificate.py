@@ -194,7 +194,7 @@ class CertifiedHead:
         self._dense_cutoff = max(1, int(self.vocab_size * DEFAULT_BUDGET))
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
-        self._subset_probe: dict = {}  # (MKL settings, threads) -> bool: see subset_exact
+        self._subset_probe: dict = {}  # (MKL settings, threads) -> kernel name or None: see subset_kernel
         # the top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads without a
         # bias, one row or several
         serves = (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu" and bias is None
@@ -206,23 +206,27 @@ class CertifiedHead:
 
     # ------------------------------------------------- the value assumption
     def subset_exact(self) -> bool:
-        """Whether this process's kernel computed every column subset probed bit for bit as the full call does
-        (``F.linear`` on gathered rows of W against the full ``F.linear``). Paths that hand the values on S to
-        stock's own sampler, verify or score outputs need that property, which no proof gives (docs/certificates.md
-        §2.0): where a probe finds a difference (MKL's AVX-512 and SSE4.2 paths round small GEMVs differently from
-        the full call), those paths use the full head; greedy decisions and hf_csv's own draws never need it (they
-        are decided within the values' slack). Probed once per head and per ``MKL_ENABLE_INSTRUCTIONS`` /
-        ``MKL_CBWR`` setting: subsets of 1 to 257 columns (random, the tail, a block), one row and three,
-        against the full call at one and two threads."""
+        """Whether a kernel of this process computed every column subset probed bit for bit as the full call does
+        (``F.linear`` on gathered rows of W, else on the aligned 64-row blocks that hold them, against the full
+        ``F.linear``). Paths that hand the values on S to stock's own sampler, verify or score outputs need that
+        property, which no proof gives (docs/certificates.md §2.0): where neither kernel matches, those paths use the
+        full head; greedy decisions and hf_csv's own draws never need it (they are decided within the values' slack).
+        Probed once per head and per ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR`` setting and thread count: subsets of
+        1 to 257 columns (random, the tail, a block), 1, 3 and 16 rows, against the full call. The kernel found is
+        the one :meth:`_values` then uses (:meth:`subset_kernel`)."""
+        return self.subset_kernel(probe=True) is not None
+
+    def subset_kernel(self, probe: bool = False) -> Optional[str]:
+        """The probed subset kernel's name for the current setting (``"gathered"``, ``"blocked"``), ``None`` where
+        none matched or (``probe=False``) where no probe ran yet for this setting."""
         key = (os.environ.get("MKL_ENABLE_INSTRUCTIONS"), os.environ.get("MKL_CBWR"), torch.get_num_threads())
-        got = self._subset_probe.get(key)
-        if got is None:
-            got = self._subset_probe[key] = _probe_subsets(self.weight, self.bias_native)
-            if not got:
+        if key not in self._subset_probe and probe:
+            got = self._subset_probe[key] = probe_subset_kernel(self.weight, self.bias_native)
+            if got is None:
                 logger.warning("hf_csv: this CPU's BLAS computes a column subset of the head in another rounding "
                                "than the full call; certified sampling that reads the values (stock's sampler, "
                                "verify, scores) uses the full head here (docs/certificates.md §2.0)")
-        return got
+        return self._subset_probe.get(key)
 
     # ----------------------------------------------------------- helpers
     def _check(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,8 +336,11 @@ class CertifiedHead:
                     raise ValueError("a caller's subset kernel is for heads without a bias")
                 out = subset(Hn, cols)
             else:
-                with caller_threads():  # stock's op as the caller runs it
-                    out = F.linear(Hn, Wc, b)
+                with caller_threads():  # stock's op as the caller runs it, by the kernel the probe found (if any)
+                    if self.subset_kernel() == "blocked":
+                        out = blocked_kernel(self.weight, self.bias_native)(Hn, cols)
+                    else:
+                        out = F.linear(Hn, Wc, b)
             pick = (lambda x: x.view(-1)) if inv is None else (lambda x: x[r, inv])
             vals = pick(out).float()
             if not with_slack:
@@ -1057,12 +1064,51 @@ def _f32_up_n(x: torch.Tensor, n: int = 1) -> torch.Tensor:
     return x
 
 
-def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int = 0) -> bool:
-    """True when every probed column subset of ``F.linear(h, W, b)`` equals the full call's columns bit for bit."""
+# Rows per block of the blocked subset kernel: a multiple of every row-block width a GEMV/GEMM kernel of the hosts
+# measured uses for its main loop (docs/certificates.md §2.0, "Where it was checked").
+SUBSET_BLOCK = 64
+PROBE_SIZES = (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257)  # column-subset sizes the probe tries
+PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEMM
+
+
+def gathered_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> SubsetFn:
+    """``F.linear`` on the gathered rows ``cols`` of the head: [N, |cols|] in the weight dtype."""
+    def kernel(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return F.linear(H, weight[cols], None if bias is None else bias[cols])
+    return kernel
+
+
+def blocked_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], block: int = SUBSET_BLOCK) -> SubsetFn:
+    """``F.linear`` on the aligned blocks of ``block`` rows of the head that hold ``cols`` (blocks [a·block,
+    (a+1)·block), the last one cut at V), concatenated in ascending order, and the columns ``cols`` picked from it:
+    [N, |cols|] in the weight dtype. Each token then sits at the same position modulo ``block`` and among the same
+    neighbours as in the full call, which is what a kernel whose rounding depends on a row's place in its row block
+    sees. Costs up to ``block``·|cols| rows; whether it equals the full call is measured (:func:`subset_mismatches`)."""
+    V = weight.shape[0]
+
+    def kernel(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        starts = torch.unique(torch.div(cols, block, rounding_mode="floor")) * block  # sorted
+        idx = (starts[:, None] + torch.arange(block, device=cols.device)).reshape(-1)
+        idx = idx[idx < V]  # ascending: a cut last block stays last, as in the full call
+        out = F.linear(H, weight[idx], None if bias is None else bias[idx])
+        return out[:, torch.searchsorted(idx, cols)]
+    return kernel
+
+
+SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], SubsetFn]] = {
+    "gathered": gathered_kernel, "blocked": blocked_kernel}
+
+
+def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
+                      first: bool = True) -> int:
+    """How many probed column subsets ``kernel`` computes otherwise than the full call ``F.linear(h, W, b)`` (bit for
+    bit): subsets of :data:`PROBE_SIZES` columns (random, the tail, a block), for :data:`PROBE_ROWS` rows. ``first``:
+    stop at the first difference (returns 0 or 1)."""
     V, d = weight.shape
     g = torch.Generator().manual_seed(seed)
-    sizes = [s for s in (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257) if s <= V]
-    for rows in (1, 3):
+    sizes = [s for s in PROBE_SIZES if s <= V]
+    bad = 0
+    for rows in PROBE_ROWS:
         H = torch.randn(rows, d, generator=g).to(weight.device, weight.dtype)
         with torch.no_grad():
             full = F.linear(H, weight, bias)
@@ -1070,10 +1116,20 @@ def _probe_subsets(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int
                 for cols in (torch.randperm(V, generator=g)[:n].sort().values, torch.arange(V - n, V),
                              torch.arange(n) + int(torch.randint(0, V - n + 1, (1,), generator=g))):
                     cols = cols.to(weight.device)
-                    sub = F.linear(H, weight[cols], None if bias is None else bias[cols])
-                    if not torch.equal(sub, full[:, cols]):
-                        return False
-    return True
+                    if not torch.equal(kernel(H, cols), full[:, cols]):
+                        bad += 1
+                        if first:
+                            return bad
+    return bad
+
+
+def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[str]:
+    """The first of :data:`SUBSET_KERNELS` (gathered, then blocked) that computed every probed column subset as the
+    full call does, bit for bit; ``None`` where none did."""
+    for name, make in SUBSET_KERNELS.items():
+        if subset_mismatches(weight, bias, make(weight, bias)) == 0:
+            return name
+    return None
 
 
 # a Gumbel draw's values lie within this of its shift at the top of the row (ulp 1.2e-4 there); farther, the noise

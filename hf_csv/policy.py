@@ -561,6 +561,10 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
         why = "the compiled head needs the int8 screen (provider='screen', screen_quant='int8')"
     elif getattr(ch, "bias", None) is not None:
         why = "a head with a bias"
+    elif sampled and getattr(ch, "subset_kernel", lambda: None)() == "blocked":
+        # the graph computes S's values on the gathered rows, which this CPU rounds otherwise than the full call;
+        # only the eager head's blocked kernel gives stock's values here (docs/certificates.md §2.0)
+        why = "top-k sampling on a CPU whose BLAS rounds gathered rows differently from the full call"
     if why is not None:
         session.set_full(f"torch.compile (static cache): {why} is certified only in eager decoding")
         return None

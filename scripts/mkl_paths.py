@@ -2,8 +2,8 @@
 """Which MKL code paths round differently on this host: one SHA-256 per MKL_ENABLE_INSTRUCTIONS setting.
 
     python scripts/mkl_paths.py            # prints "<setting>: <hash>" for the default, AVX2, AVX and SSE4_2
-    python scripts/mkl_paths.py --subsets  # one JSON line per setting (default, AVX512, AVX2, SSE4_2): the column-
-                                           # subset probe's answer and how many probed subsets differ
+    python scripts/mkl_paths.py --subsets  # one JSON line per setting (default, AVX512, AVX2, SSE4_2): the kernel
+                                           # the column-subset probe picks and how many probed subsets differ
 
 Each setting runs in its own process (MKL reads the variable once) and hashes 30 fp32 products: full GEMVs and
 GEMMs of 5 head shapes and column subsets of them (tails, blocks, a random subset of 97 rows), the operations whose
@@ -13,9 +13,11 @@ AVX2 and SSE4_2 besides the default).
 
 ``--subsets``: the plans that hand the values on S to stock's own sampler, verify or score outputs need a column
 subset of the head computed bit for bit as the full call does (docs/certificates.md §2.0); ``CertifiedHead.subset_exact``
-probes it once per head and setting, and where it fails those plans run the full head. Per setting, the probe's answer
-on two random heads (4,099 × 64 and 151,936 × 896) and, over the same kind of subsets (1 to 257 columns, random and
-the tail, one row and three), how many differ from the full call.
+probes two kernels for it once per head and setting (``F.linear`` on the gathered rows, then on the aligned 64-row
+blocks that hold them), and where neither matches those plans run the full head. Per setting and random head (the
+shapes of a small test head, SmolLM2, whisper-base and Qwen2.5), the kernel the probe picks and, for each kernel, how
+many of the probe's 117 subsets (1 to 257 columns, random, the tail and a block; 1, 3 and 16 rows) differ from the
+full call.
 """
 from __future__ import annotations
 
@@ -46,26 +48,19 @@ def _digest() -> str:
 
 def _subsets() -> str:
     import torch
-    import torch.nn.functional as F
 
-    from hf_csv.certificate import _probe_subsets
+    from hf_csv.certificate import PROBE_ROWS, PROBE_SIZES, SUBSET_KERNELS, probe_subset_kernel, subset_mismatches
 
     torch.manual_seed(0)
     res = {}
-    for V, d in [(4099, 64), (151936, 896)]:
+    for V, d in [(4099, 64), (49152, 576), (51865, 512), (151936, 896)]:
         W = torch.randn(V, d)
-        g = torch.Generator().manual_seed(1)
-        bad = tot = 0
-        for rows in (1, 3):
-            H = torch.randn(rows, d, generator=g)
-            full = F.linear(H, W)
-            for n in (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257):
-                for cols in (torch.randperm(V, generator=g)[:n].sort().values, torch.arange(V - n, V)):
-                    tot += 1
-                    bad += int(not torch.equal(F.linear(H, W[cols]), full[:, cols]))
-        res[f"{V}x{d}"] = {"probe_passes": _probe_subsets(W, None), "subsets_differing": bad, "subsets": tot}
+        # the package's own probe (117 subsets), counted to the end for each kernel, and the kernel it picks
+        res[f"{V}x{d}"] = {"kernel": probe_subset_kernel(W, None),
+                           **{f"{name}_differing": subset_mismatches(W, None, make(W, None), first=False)
+                              for name, make in SUBSET_KERNELS.items()}}
     return json.dumps({"MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
-                       "threads": torch.get_num_threads(), **res})
+                       "threads": torch.get_num_threads(), "subsets": 3 * len(PROBE_ROWS) * len(PROBE_SIZES), **res})
 
 
 def _in_child(isa: str, mode: str) -> str:

@@ -440,12 +440,13 @@ def test_value_reading_plans_need_the_subset_probe(monkeypatch, exact):
 
 
 def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch):
-    """The probe itself: a linear whose subset calls differ in the last bit is found; an exact one is not."""
+    """The probe itself: a linear whose subset calls differ in the last bit is found (neither kernel passes); an exact
+    one is not."""
     import torch.nn.functional as F
     from hf_csv import certificate as C
 
     W = torch.randn(300, 16)
-    assert C._probe_subsets(W, None) in (True, False)  # this host's answer, whichever it is
+    assert C.probe_subset_kernel(W, None) in (None, "gathered", "blocked")  # this host's answer, whichever it is
     real = F.linear
 
     def nudged(h, w, b=None):
@@ -453,7 +454,91 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
         return out if w.shape[0] == W.shape[0] else torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(C.F, "linear", nudged)
-    assert C._probe_subsets(W, None) is False
+    assert C.probe_subset_kernel(W, None) is None
+    assert C.subset_mismatches(W, None, C.gathered_kernel(W, None), first=False) == 3 * len(C.PROBE_ROWS) * len(C.PROBE_SIZES)
+
+
+def _block_rounding(monkeypatch, W):
+    """F.linear as a BLAS whose rounding of a row depends on its place in a row block of 8 (MKL on host D, docs/
+    certificates.md §2.0): a call whose row count is not a multiple of 8 (nor V) is one ulp off."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+
+    real = F.linear
+
+    def blocky(h, w, b=None):
+        out = real(h, w, b)
+        ok = w.shape[0] == W.shape[0] or w.shape[0] % 8 == 0
+        return out if ok else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(C.F, "linear", blocky)
+
+
+@pytest.mark.parametrize("V", [300, 256, 1000])
+def test_blocked_subset_kernel_returns_the_full_calls_columns(V):
+    """The blocked kernel picks each requested column from its aligned block (the cut last block included), in the
+    requested order, duplicates too: integer weights and inputs make every dot product exact, so any kernel's value is
+    the full call's and only the indexing is tested."""
+    from hf_csv import certificate as C
+
+    g = torch.Generator().manual_seed(V)
+    W = torch.randint(-3, 4, (V, 24), generator=g).float()
+    b = torch.randint(-5, 6, (V,), generator=g).float()
+    H = torch.randint(-2, 3, (3, 24), generator=g).float()
+    full = torch.nn.functional.linear(H, W, b)
+    k = C.blocked_kernel(W, b)
+    for cols in (torch.tensor([V - 1]), torch.tensor([0, V - 1, 5, 5]), torch.randperm(V, generator=g)[:40],
+                 torch.arange(V)):
+        assert torch.equal(k(H, cols), full[:, cols])
+
+
+def test_probe_picks_the_blocked_kernel_and_the_values_use_it(monkeypatch):
+    """Where gathered rows round otherwise than the full call but aligned blocks do not, the probe picks the blocked
+    kernel, and the values a value-reading plan hands to stock are then the full call's bit for bit."""
+    from hf_csv import certificate as C
+
+    torch.manual_seed(0)
+    V = 1000  # not a multiple of 64: a cut last block
+    W = torch.randn(V, 32)
+    _block_rounding(monkeypatch, W)
+    assert C.subset_mismatches(W, None, C.gathered_kernel(W, None)) == 1
+    assert C.probe_subset_kernel(W, None) == "blocked"
+    head = hf_csv.CertifiedHead(W)
+    assert head.subset_kernel() is None and head.subset_exact() and head.subset_kernel() == "blocked"
+    H = torch.randn(2, 32)
+    full = C.F.linear(H, W)
+    r = torch.tensor([0, 0, 0, 1, 1])
+    t = torch.tensor([3, 999, 500, 998, 3])
+    vals = head._values(r, t, H, H, torch.float32)
+    assert torch.equal(vals, full[r, t])
+
+
+def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkeypatch):
+    """The compiled head computes S's values on gathered rows: where the probe found only the blocked kernel exact,
+    a sampled compiled call keeps the full head (the reason says why) and greedy compiled calls stay certified."""
+    from types import SimpleNamespace
+
+    from hf_csv import policy
+    from hf_csv.certificate import CertifiedHead
+
+    monkeypatch.setattr(CertifiedHead, "subset_kernel", lambda self, probe=False: "blocked")
+    seen = {}
+
+    class Sess(SimpleNamespace):
+        def set_full(self, why):
+            seen["why"] = why
+
+    from transformers import TopKLogitsWarper
+
+    warper = TopKLogitsWarper(top_k=5)
+    head = CertifiedHead(torch.randn(300, 16))
+    from hf_csv.plan import TopK
+
+    plan = TopK(k=5, check_after=warper)
+    sess = Sess(plan=plan, head=head, processors=[warper], whisper=SimpleNamespace(record=False),
+                post=SimpleNamespace(identity=True), assisted=False, draft=False)
+    assert policy.decide_compiled(sess) is None
+    assert "rounds gathered rows differently" in seen["why"]
 
 
 # ---------------------------------------------------------------- huge values: the Gumbel noise must not vanish
