@@ -314,8 +314,8 @@ class CertifiedHead:
                 with_slack: bool = False, subset: Optional[SubsetFn] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
-        all rows and the union of the candidate columns; otherwise the exact fp32 recompute, rounded to
-        ``value_dtype``.
+        all rows and the union of the candidate columns (on the aligned row blocks that hold them where
+        :meth:`subset_kernel` picked ``"blocked"``); otherwise the exact fp32 recompute, rounded to ``value_dtype``.
 
         These are *not* assumed to be stock's values (a BLAS may sum a column subset in another order than the full
         call: MKL's AVX-512 path does). With ``with_slack`` returns ``(vals, acc, slack)``: ``acc`` our fp32
