@@ -337,8 +337,9 @@ class CertifiedHead:
                 out = subset(Hn, cols)
             else:
                 with caller_threads():  # stock's op as the caller runs it, by the kernel the probe found (if any)
-                    if self.subset_kernel() == "blocked":
-                        out = blocked_kernel(self.weight, self.bias_native)(Hn, cols)
+                    kind = self.subset_kernel()
+                    if kind is not None:  # the probed kernel (it matched the full call, alignment included)
+                        out = SUBSET_KERNELS[kind](self.weight, self.bias_native)(Hn, cols)
                     else:
                         out = F.linear(Hn, Wc, b)
             pick = (lambda x: x.view(-1)) if inv is None else (lambda x: x[r, inv])
@@ -1071,10 +1072,27 @@ PROBE_SIZES = (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257)  # column-subset 
 PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEMM
 
 
+def rows_like(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``weight[idx]`` in memory at the same address modulo 64 bytes as ``weight`` itself: a BLAS kernel peels a
+    row's first elements up to an aligned address, so a row's rounding follows its alignment (a checkpoint's
+    memory-mapped head need not start at an aligned address: whisper-tiny.en's sits at 40 mod 64 here)."""
+    shift = weight.data_ptr() % 64
+    if shift == 0 or shift % weight.element_size() or not weight.is_contiguous() or weight.device.type != "cpu":
+        return weight[idx]
+    n, d = idx.numel(), weight.shape[1]
+    pad = 64 // weight.element_size()
+    buf = torch.empty(n * d + pad, dtype=weight.dtype, device=weight.device)
+    off = ((shift - buf.data_ptr() % 64) % 64) // weight.element_size()
+    out = buf[off:off + n * d].view(n, d)
+    torch.index_select(weight, 0, idx, out=out)
+    return out
+
+
 def gathered_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> SubsetFn:
-    """``F.linear`` on the gathered rows ``cols`` of the head: [N, |cols|] in the weight dtype."""
+    """``F.linear`` on the gathered rows ``cols`` of the head (at the head's own alignment): [N, |cols|] in the weight
+    dtype."""
     def kernel(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        return F.linear(H, weight[cols], None if bias is None else bias[cols])
+        return F.linear(H, rows_like(weight, cols), None if bias is None else bias[cols])
     return kernel
 
 
@@ -1090,7 +1108,7 @@ def blocked_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], block: in
         starts = torch.unique(torch.div(cols, block, rounding_mode="floor")) * block  # sorted
         idx = (starts[:, None] + torch.arange(block, device=cols.device)).reshape(-1)
         idx = idx[idx < V]  # ascending: a cut last block stays last, as in the full call
-        out = F.linear(H, weight[idx], None if bias is None else bias[idx])
+        out = F.linear(H, rows_like(weight, idx), None if bias is None else bias[idx])
         return out[:, torch.searchsorted(idx, cols)]
     return kernel
 

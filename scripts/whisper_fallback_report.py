@@ -7,8 +7,9 @@ the call of ``tests/test_whisper.py::test_real_long_form_with_temperature_fallba
 reseeded with ``torch.manual_seed(0)``, so sampled fallback rounds draw the same stream on both sides.
 
 It prints, per model: whether the tokens and every (needs fallback, skip) decision are stock's, each side's wall
-time per pair (the order alternating), and the csv call's ``whisper_thresholds`` counts (avg-logprob decisions
-of greedy rounds, decided from the bounds alone, steps replayed on the stock head) with its mode and reasons.
+time per pair (the order alternating), and over the csv call's rounds (each round is one inner ``generate`` call):
+how many ran each mode, the summed ``whisper_thresholds`` counts (avg-logprob decisions of greedy rounds, decided
+from the bounds alone, steps replayed on the stock head) and the reasons of the rounds on the full head.
 A correctness run with times beside it: a few pairs, not a speed benchmark (docs/benchmarks.md §9.7).
 
     python scripts/whisper_fallback_report.py --model $M/whisper-tiny.en --model $M/whisper-base --json OUT
@@ -43,15 +44,24 @@ def _report(model_dir: str, pairs: int) -> dict:
     kw = dict(input_features=f.input_features, attention_mask=f.attention_mask, **FALLBACK)
 
     decisions: list = []
+    rounds: list = []  # per round of a csv call: (its mode, its whisper_thresholds counts)
     need = WhisperGenerationMixin._need_fallback
 
     def spy_need(self, *a, **k):  # records stock's (needs_fallback, should_skip) for every segment and round
         out = need(self, *a, **k)
         decisions.append(tuple(bool(x) for x in out))
+        st = getattr(model, "csv_last_stats", None)  # the round's own generate call (each round is one)
+        if recording and st:
+            rounds.append((st.get("mode"), dict(st.get("whisper_thresholds") or {}), st.get("reasons")))
         return out
 
+    recording = False
+
     def run(csv: bool) -> tuple:
+        nonlocal recording
         decisions.clear()
+        rounds.clear()
+        recording = csv
         torch.manual_seed(0)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -67,7 +77,7 @@ def _report(model_dir: str, pairs: int) -> dict:
                 if csv:
                     t_csv.append(t)
                     y, dy = out, dec
-                    stats = dict(model.csv_last_stats)
+                    stats = list(rounds)
                 else:
                     t_stock.append(t)
                     x, dx = out, dec
@@ -77,8 +87,11 @@ def _report(model_dir: str, pairs: int) -> dict:
     return {"model": Path(model_dir).name, "audio_s": round(len(audio) / sr, 1), "identical": identical,
             "fallback_decisions": len(dx), "rounds_needing_fallback": sum(d[0] for d in dx),
             "stock_s": [round(t, 2) for t in t_stock], "csv_s": [round(t, 2) for t in t_csv],
-            "mode": stats.get("mode"), "whisper_thresholds": stats.get("whisper_thresholds"),
-            "reasons": stats.get("reasons"), "summary": stats.get("summary")}
+            "rounds_by_mode": {m: sum(r[0] == m for r in stats) for m in sorted({r[0] for r in stats}, key=str)},
+            "whisper_thresholds": {k: sum(r[1].get(k, 0) for r in stats)
+                                   for k in ("decisions", "decided_by_bounds", "replayed_steps", "fully_replayed",
+                                             "steps")},
+            "full_head_reasons": sorted({x for r in stats if r[0] == "full" for x in (r[2] or [])})}
 
 
 def main() -> None:

@@ -492,6 +492,20 @@ def test_blocked_subset_kernel_returns_the_full_calls_columns(V):
         assert torch.equal(k(H, cols), full[:, cols])
 
 
+def test_gathered_rows_keep_the_heads_alignment():
+    """A head that starts off a 64-byte boundary (a memory-mapped checkpoint's may): the gathered rows start at the same
+    address modulo 64, so a BLAS that peels each row up to an aligned address sums them as in the full call; the rows
+    are the head's."""
+    from hf_csv import certificate as C
+
+    base = torch.randn(300 * 24 + 16)
+    for shift in (0, 2, 10):  # floats: 0, 8 and 40 bytes
+        W = base[shift:shift + 300 * 24].view(300, 24)
+        idx = torch.tensor([5, 299, 0, 64, 5])
+        got = C.rows_like(W, idx)
+        assert got.data_ptr() % 64 == W.data_ptr() % 64 and torch.equal(got, W[idx])
+
+
 def test_probe_picks_the_blocked_kernel_and_the_values_use_it(monkeypatch):
     """Where gathered rows round otherwise than the full call but aligned blocks do not, the probe picks the blocked
     kernel, and the values a value-reading plan hands to stock are then the full call's bit for bit."""
