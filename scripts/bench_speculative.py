@@ -360,7 +360,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
                    identical_law=pv > 1e-3, verify_ms_csv=1e3 * t_csv / n, verify_ms_stock=1e3 * t_stock / n)
 
     def certified(sess, cand, cand_logits, L, new_logits, **kw):
-        if not out and int(L) >= 1:
+        if not out and int(L) >= 1 and sess.step.last is not None:  # (a call without its head step: the next)
             run("spec", lambda c, ql, LL, nl, g: orig_cert(sess, c, ql, LL, nl, generator=g), sess, cand,
                 cand_logits, int(L), new_logits)
             sess.step.spec_pending = True  # the probe consumed the stash flag; the real call below clears it

@@ -7,9 +7,9 @@ the call of ``tests/test_whisper.py::test_real_long_form_with_temperature_fallba
 reseeded with ``torch.manual_seed(0)``, so sampled fallback rounds draw the same stream on both sides.
 
 It prints, per model: whether the tokens and every (needs fallback, skip) decision are stock's, each side's wall
-time per pair (the order alternating), and over the csv call's rounds (each round is one inner ``generate`` call):
-how many ran each mode, the summed ``whisper_thresholds`` counts (avg-logprob decisions of greedy rounds, decided
-from the bounds alone, steps replayed on the stock head) and the reasons of the rounds on the full head.
+time per pair (the order alternating), and the csv call's stats (one long-form call: its rounds' counts summed):
+``whisper_thresholds`` (avg-logprob decisions of greedy rounds, decided from the bounds alone, steps replayed on the
+stock head), the head rows certified and the reasons logged.
 A correctness run with times beside it: a few pairs, not a speed benchmark (docs/benchmarks.md §9.7).
 
     python scripts/whisper_fallback_report.py --model $M/whisper-tiny.en --model $M/whisper-base --json OUT
@@ -44,24 +44,15 @@ def _report(model_dir: str, pairs: int) -> dict:
     kw = dict(input_features=f.input_features, attention_mask=f.attention_mask, **FALLBACK)
 
     decisions: list = []
-    rounds: list = []  # per round of a csv call: (its mode, its whisper_thresholds counts)
     need = WhisperGenerationMixin._need_fallback
 
     def spy_need(self, *a, **k):  # records stock's (needs_fallback, should_skip) for every segment and round
         out = need(self, *a, **k)
         decisions.append(tuple(bool(x) for x in out))
-        st = getattr(model, "csv_last_stats", None)  # the round's own generate call (each round is one)
-        if recording and st:
-            rounds.append((st.get("mode"), dict(st.get("whisper_thresholds") or {}), st.get("reasons")))
         return out
 
-    recording = False
-
     def run(csv: bool) -> tuple:
-        nonlocal recording
         decisions.clear()
-        rounds.clear()
-        recording = csv
         torch.manual_seed(0)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -77,7 +68,7 @@ def _report(model_dir: str, pairs: int) -> dict:
                 if csv:
                     t_csv.append(t)
                     y, dy = out, dec
-                    stats = list(rounds)
+                    stats = dict(model.csv_last_stats)  # the whole call's: every round's counts summed
                 else:
                     t_stock.append(t)
                     x, dx = out, dec
@@ -87,11 +78,8 @@ def _report(model_dir: str, pairs: int) -> dict:
     return {"model": Path(model_dir).name, "audio_s": round(len(audio) / sr, 1), "identical": identical,
             "fallback_decisions": len(dx), "rounds_needing_fallback": sum(d[0] for d in dx),
             "stock_s": [round(t, 2) for t in t_stock], "csv_s": [round(t, 2) for t in t_csv],
-            "rounds_by_mode": {m: sum(r[0] == m for r in stats) for m in sorted({r[0] for r in stats}, key=str)},
-            "whisper_thresholds": {k: sum(r[1].get(k, 0) for r in stats)
-                                   for k in ("decisions", "decided_by_bounds", "replayed_steps", "fully_replayed",
-                                             "steps")},
-            "full_head_reasons": sorted({x for r in stats if r[0] == "full" for x in (r[2] or [])})}
+            "mode": stats.get("mode"), "whisper_thresholds": stats.get("whisper_thresholds"),
+            "rows": stats.get("rows"), "certified_rows": stats.get("certified"), "reasons": stats.get("reasons")}
 
 
 def main() -> None:
