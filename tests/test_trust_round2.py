@@ -529,7 +529,7 @@ def test_probe_picks_the_blocked_kernel_and_the_values_use_it(monkeypatch):
 
 def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkeypatch):
     """The compiled head computes S's values on gathered rows: where the probe found only the blocked kernel exact,
-    a sampled compiled call keeps the full head (the reason says why) and greedy compiled calls stay certified."""
+    a sampled compiled call keeps the full head (the reason says why)."""
     from types import SimpleNamespace
 
     from hf_csv import policy
