@@ -110,8 +110,11 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
     stats = CertStats()
+    # every draft head row is counted: ``rows`` (the certified head's, CertStats) plus ``declined_rows`` (those the
+    # speed guard sent to the full head) make ``head_rows``, as in the target's own summary (CSVSession.summary)
     summary = main.reports["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
-                                     "verify_reruns": 0, "reasons": [], "rows": 0}
+                                     "verify_reruns": 0, "reasons": [], "rows": 0, "declined_rows": 0,
+                                     "head_rows": 0, "certified_fraction": 0.0}
 
     def get_candidates(input_ids, **kwargs):
         sess = new_session(assistant, config)
@@ -125,12 +128,15 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         summary["head_calls"] += sess.head_calls
         summary["full_head_calls"] += sess.full_calls
         summary["verify_reruns"] += sess.verify_reruns
+        summary["declined_rows"] += sess.declined_rows
         if sess.head_calls:  # a call that returned early (max_new_tokens == 0) decided nothing
             summary["mode"] = sess.mode
         summary["reasons"] += [r for r in sess.reasons if r not in summary["reasons"]]
         stats.merge(sess.stats)
         if stats.rows:
             summary.update(stats.as_dict())
+        summary["head_rows"] = stats.rows + summary["declined_rows"]
+        summary["certified_fraction"] = stats.certified / summary["head_rows"] if summary["head_rows"] else 0.0
         return out
 
     gen.get_candidates = get_candidates

@@ -93,7 +93,8 @@ def main() -> None:
         beam = stats.get("beam", {})
         r = {"input": i, "identical": ident, "stock_s": statistics.median(ts), "csv_s": statistics.median(tc),
              "ratio": statistics.median(ts) / statistics.median(tc), "mode": stats["mode"], "beam": beam,
-             "head_rows": stats.get("rows", 0), "head_rows_certified": stats.get("certified", 0),
+             "head_rows": stats.get("head_rows", stats.get("rows", 0)), "head_rows_certified": stats.get("certified", 0),
+             "head_rows_speed_guard": stats.get("declined_rows", 0),
              "head_rows_over_budget": stats.get("fallback", 0), "full_head_calls": stats.get("full_head_calls", 0),
              "reasons": stats["reasons"]}
         rows.append(r)
@@ -108,6 +109,7 @@ def main() -> None:
            "head_rows": sum(r["head_rows"] for r in rows),
            "head_rows_certified": sum(r["head_rows_certified"] for r in rows),
            "head_rows_over_budget": sum(r["head_rows_over_budget"] for r in rows),
+           "head_rows_speed_guard": sum(r["head_rows_speed_guard"] for r in rows),
            "load": os.getloadavg(), "rows": rows}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}))
     if args.json:

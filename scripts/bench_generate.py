@@ -356,7 +356,8 @@ def longform(args) -> None:
                     same &= _same(a, ref) and _same(b, ref)
                     ts.append(x), tc.append(y)
                 hs, _, tot = head_time(head, stock)
-        rows = sum(c.get("rows", 0) for c in calls)
+        # every head row: the certified head's and those the speed guard gave the full head (csv_stats "head_rows")
+        rows = sum(c.get("head_rows", c.get("rows", 0)) for c in calls)
         cert = sum(c.get("certified", 0) for c in calls)
         tsx = {}
         for c in calls:
@@ -369,6 +370,7 @@ def longform(args) -> None:
                      "head_fraction": fr, "limit": limit,
                      "gain_fraction": (sp - 1) / (limit - 1) if limit > 1 else float("nan"),
                      "generate_calls": len(calls), "rows": rows, "certified_rows": cert,
+                     "speed_guard_rows": sum(c.get("declined_rows", 0) for c in calls),
                      "certified_fraction": cert / rows if rows else float("nan"),
                      "full_head_calls": sum(c.get("full_head_calls", 0) for c in calls),
                      "verify_reruns": sum(c.get("verify_reruns", 0) for c in calls),

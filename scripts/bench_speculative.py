@@ -473,13 +473,16 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
                         st = out.csv_stats
                         modes.add(st["mode"])
                         reasons.update(st["reasons"])
-                        head_tot["rows"] += st.get("rows", 0)
+                        # every head row: the certified head's and those the speed guard gave the full head
+                        head_tot["rows"] += st.get("head_rows", st.get("rows", 0))
                         head_tot["certified"] += st.get("certified", 0)
+                        head_tot["declined"] = head_tot.get("declined", 0) + st.get("declined_rows", 0)
                         # rows whose check failed after the processors and re-ran stock's head (docs/certificates.md §3.2)
                         head_tot["reruns"] = head_tot.get("reruns", 0) + st.get("verify_reruns", 0)
                         draft = st.get("draft") or {}
-                        for k in ("rows", "certified", "verify_reruns"):
-                            head_tot["draft_" + k] = head_tot.get("draft_" + k, 0) + draft.get(k, 0)
+                        for k, src in (("rows", "head_rows"), ("certified", "certified"),
+                                       ("declined", "declined_rows"), ("verify_reruns", "verify_reruns")):
+                            head_tot["draft_" + k] = head_tot.get("draft_" + k, 0) + draft.get(src, 0)
                         for k, v in (st.get("speculative") or {}).items():
                             if isinstance(v, int):
                                 spec_tot[k] = spec_tot.get(k, 0) + v
@@ -497,9 +500,11 @@ def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
             "target_mode": sorted(modes), "reasons": sorted(reasons),
             "target_head_rows": head_tot["rows"], "target_head_rows_certified": head_tot["certified"],
             "target_head_certified_fraction": head_tot["certified"] / head_tot["rows"] if head_tot["rows"] else None,
+            "target_head_rows_speed_guard": head_tot.get("declined", 0),
             "target_rows_rerun": head_tot.get("reruns", 0),
             "draft_head_rows": head_tot.get("draft_rows", 0),
             "draft_head_rows_certified": head_tot.get("draft_certified", 0),
+            "draft_head_rows_speed_guard": head_tot.get("draft_declined", 0),
             "draft_rows_rerun": head_tot.get("draft_verify_reruns", 0),
             "verify_rows": spec_tot.get("target_rows", 0),
             "verify_rows_by_bounds": spec_tot.get("target_rows_by_bounds", 0),

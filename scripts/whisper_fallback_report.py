@@ -79,7 +79,8 @@ def _report(model_dir: str, pairs: int) -> dict:
             "fallback_decisions": len(dx), "rounds_needing_fallback": sum(d[0] for d in dx),
             "stock_s": [round(t, 2) for t in t_stock], "csv_s": [round(t, 2) for t in t_csv],
             "mode": stats.get("mode"), "whisper_thresholds": stats.get("whisper_thresholds"),
-            "rows": stats.get("rows"), "certified_rows": stats.get("certified"), "reasons": stats.get("reasons")}
+            "rows": stats.get("head_rows"), "certified_rows": stats.get("certified"),
+            "speed_guard_rows": stats.get("declined_rows"), "reasons": stats.get("reasons")}
 
 
 def main() -> None:

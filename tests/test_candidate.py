@@ -58,6 +58,33 @@ def test_greedy_identical_and_draft_head_certified(pair):
     assert out.csv_stats["mode"] == "topk"  # the target verifies with the certified top-1 too
 
 
+def test_draft_stats_count_the_rows_the_speed_guard_sent_to_the_full_head(monkeypatch):
+    """The draft's summary counts every head row, as the target's does: where the speed guard picks the full head,
+    its rows are ``declined_rows`` and ``head_rows`` = ``rows`` + ``declined_rows`` (a summary that left them out
+    reported 100 % certified for a draft that mostly ran the full head)."""
+    import hf_csv.speed
+    from hf_csv.speed import SpeedGuard
+
+    monkeypatch.setattr(hf_csv.speed, "MIN_WEIGHTS", 0)  # these tiny heads get a guard too (fresh models: no cache)
+    target, draft = hf_csv.enable(_llama(2, 0)), _llama(1, 1)
+    calls, pick = {}, SpeedGuard.certified
+
+    def every_other(self, key, rows=1):  # each head's guard: the certified head on every other call, stock's between
+        pick(self, key, rows)  # (the guard's own state for the key, which its record reads)
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return calls[id(self)] % 2 == 0
+
+    monkeypatch.setattr(SpeedGuard, "certified", every_other)
+    plain = target.generate(IDS, max_new_tokens=16, do_sample=False)
+    out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(),
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    for d in (out.csv_stats, out.csv_stats["draft"]):
+        assert d["declined_rows"] > 0 and d["rows"] > 0, d
+        assert d["head_rows"] == d["rows"] + d["declined_rows"]
+        assert d["certified_fraction"] == pytest.approx(d["certified"] / d["head_rows"]) and d["certified_fraction"] < 1
+
+
 def test_draft_head_full_option_is_stock_draft(pair):
     target, draft = pair
     plain = target.generate(IDS, max_new_tokens=12, do_sample=False)
