@@ -230,6 +230,8 @@ def engine_steps(trace: Path, passes: list, rows: int) -> dict:
                      "step_ms_p99": round(1e3 * sorted(r["step"] for r in full)[99 * len(full) // 100], 3)
                      if full else None,
                      "head_ms_median": ms([r["head"] for r in full]),
+                     # full-batch steps whose head rows were all certified: vLLM's own head not called
+                     "certified_head_steps": sum(1 for r in full if not r["vhead"]),
                      "own_ms_median": ms([r["head"] - r["vhead"] for r in full if r["vhead"]])}
     a, b = out["hf_csv"]["engine_s_per_pass"], out["none"]["engine_s_per_pass"]
     out["ratio_per_round"] = [round(y / x, 3) for x, y in zip(a, b) if x]  # stock / plugin engine time: > 1 faster
