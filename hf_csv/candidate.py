@@ -35,7 +35,7 @@ from ._compat import SUPPORTED, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, find_head
+from .head import CSVSession, find_head, row_totals
 from .plan import Bounded
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
@@ -110,8 +110,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
     stats = CertStats()
-    # every draft head row is counted: ``rows`` (the certified head's, CertStats) plus ``declined_rows`` (those the
-    # speed guard sent to the full head) make ``head_rows``, as in the target's own summary (CSVSession.summary)
+    # every draft head row is counted as in the target's own summary (head.row_totals)
     summary = main.reports["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
                                      "verify_reruns": 0, "reasons": [], "rows": 0, "declined_rows": 0,
                                      "head_rows": 0, "certified_fraction": 0.0}
@@ -135,8 +134,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         stats.merge(sess.stats)
         if stats.rows:
             summary.update(stats.as_dict())
-        summary["head_rows"] = stats.rows + summary["declined_rows"]
-        summary["certified_fraction"] = stats.certified / summary["head_rows"] if summary["head_rows"] else 0.0
+        summary.update(row_totals(stats, summary["declined_rows"]))
         return out
 
     gen.get_candidates = get_candidates

@@ -149,11 +149,10 @@ class CSVSession:
         certified head's and those the speed guard sent to the full head); no field is None or NaN. ``summary``
         is one line for people."""
         d = self.stats.as_dict()
-        total = self.stats.rows + self.declined_rows
         d.update(mode=self.mode, reasons=list(self.reasons), head_calls=self.head_calls,
-                 full_head_calls=self.full_calls, declined_rows=self.declined_rows,
-                 verify_reruns=self.verify_reruns, head_rows=total,
-                 certified_fraction=self.stats.certified / total if total else 0.0)
+                 full_head_calls=self.full_calls, verify_reruns=self.verify_reruns,
+                 **row_totals(self.stats, self.declined_rows))
+        total = d["head_rows"]
         d.update(self.reports)
         if self.step.guard_last is not None:
             guard, key = self.step.guard_last
@@ -173,6 +172,14 @@ class CSVSession:
                         if full and why else (f" (full head: {full})" if full else "")) +
                         (f", mean |S| {100 * self.stats.mean_subvocab_fraction:.3g} % of V" if self.stats.certified else ""))
         return d
+
+
+def row_totals(stats: CertStats, declined_rows: int) -> dict:
+    """Every head row of a call counted: ``head_rows`` = the certified head's ``rows`` + ``declined_rows`` (those the
+    speed guard or a decline sent to the full head), and ``certified_fraction`` over all of them (0.0 when none)."""
+    total = stats.rows + declined_rows
+    return {"declined_rows": declined_rows, "head_rows": total,
+            "certified_fraction": stats.certified / total if total else 0.0}
 
 
 def _tlog():
