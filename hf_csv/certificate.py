@@ -211,17 +211,21 @@ class CertifiedHead:
         ``F.linear``). Paths that hand the values on S to stock's own sampler, verify or score outputs need that
         property, which no proof gives (docs/certificates.md §2.0): where neither kernel matches, those paths use the
         full head; greedy decisions and hf_csv's own draws never need it (they are decided within the values' slack).
-        Probed once per head and per ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR`` setting and thread count: subsets of
-        1 to 257 columns (random, the tail, a block), 1, 3 and 16 rows, against the full call. The kernel found is
-        the one :meth:`_values` then uses (:meth:`subset_kernel`)."""
+        Probed once per head and per setting (:func:`subset_probe_key`: ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR``,
+        thread count, fp32 matmul precision) and row count: subsets of 1 to 257 columns (random, the tail, a block),
+        1, 3 and 16 rows and the call's own row count, against the full call. The kernel found is the one
+        :meth:`_values` then uses (:meth:`subset_kernel`)."""
         return self.subset_kernel(probe=True) is not None
 
-    def subset_kernel(self, probe: bool = False) -> Optional[str]:
-        """The probed subset kernel's name for the current setting (``"gathered"``, ``"blocked"``), ``None`` where
-        none matched or (``probe=False``) where no probe ran yet for this setting."""
-        key = (os.environ.get("MKL_ENABLE_INSTRUCTIONS"), os.environ.get("MKL_CBWR"), torch.get_num_threads())
+    def subset_kernel(self, probe: bool = False, rows: Optional[int] = None) -> Optional[str]:
+        """The probed subset kernel's name for the current setting and ``rows`` rows of h (``"gathered"``,
+        ``"blocked"``), ``None`` where none matched or (``probe=False``) where no probe ran yet for them. A row count
+        other than the probe's own (1, 3, 16) gets its own probe on that many rows (a GEMM may round by its row
+        count), once per setting: a call's first row count of a kind pays one full call and the probed subsets."""
+        extra = () if rows is None or rows in PROBE_ROWS else (int(rows),)
+        key = subset_probe_key() + extra
         if key not in self._subset_probe and probe:
-            got = self._subset_probe[key] = probe_subset_kernel(self.weight, self.bias_native)
+            got = self._subset_probe[key] = probe_subset_kernel(self.weight, self.bias_native, rows=extra or PROBE_ROWS)
             if got is None:
                 logger.warning("hf_csv: this CPU's BLAS computes a column subset of the head in another rounding "
                                "than the full call; certified sampling that reads the values (stock's sampler, "
@@ -337,10 +341,16 @@ class CertifiedHead:
                 out = subset(Hn, cols)
             else:
                 with caller_threads():  # stock's op as the caller runs it, by the kernel the probe found (if any)
-                    kind = self.subset_kernel()
+                    # a plan that hands these values to stock's code was chosen on a probe that matched (policy
+                    # probes before it picks one); then this setting and row count are probed too (a setting first
+                    # met here, e.g. a thread count changed inside the call, is probed now, not assumed)
+                    relied = any(v is not None for v in self._subset_probe.values())
+                    kind = self.subset_kernel(probe=relied, rows=Hn.shape[0])
                     if kind is not None:  # the probed kernel (it matched the full call, alignment included)
                         out = SUBSET_KERNELS[kind](self.weight, self.bias_native)(Hn, cols)
-                    else:
+                    elif relied:  # no kernel matches here: stock's own full call, its columns
+                        out = F.linear(Hn, self.weight, self.bias_native)[:, cols]
+                    else:  # no plan relies on stock's bits on this head: the values serve within their slack
                         out = F.linear(Hn, Wc, b)
             pick = (lambda x: x.view(-1)) if inv is None else (lambda x: x[r, inv])
             vals = pick(out).float()
@@ -1069,7 +1079,31 @@ def _f32_up_n(x: torch.Tensor, n: int = 1) -> torch.Tensor:
 # measured uses for its main loop (docs/certificates.md §2.0, "Where it was checked").
 SUBSET_BLOCK = 64
 PROBE_SIZES = (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257)  # column-subset sizes the probe tries
-PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEMM
+PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEMM (and the call's own count)
+
+
+def subset_probe_key() -> tuple:
+    """What a subset probe's verdict holds for: MKL's instruction-set and reproducibility settings, the thread count,
+    and torch's fp32 matmul precision (a reduced one routes fp32 GEMMs through other kernels)."""
+    mk = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return (os.environ.get("MKL_ENABLE_INSTRUCTIONS"), os.environ.get("MKL_CBWR"), torch.get_num_threads(),
+            torch.get_float32_matmul_precision(), getattr(mk, "fp32_precision", None))
+
+
+def fp32_matmul_reason(device: torch.device) -> Optional[str]:
+    """Why stock's fp32 head on ``device`` may not compute IEEE fp32 dot products (``None`` where it does): torch's
+    reduced fp32 matmul precisions (``torch.set_float32_matmul_precision("high" / "medium")``, TF32 or bf16 passes
+    in cuBLAS / oneDNN) change stock's values beyond the γ_{d+2} accumulation bound the certificates prove against
+    (docs/certificates.md §2.0), so a certified head declines them."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}, not 'highest'"
+    mk = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if device.type == "cpu" and getattr(mk, "fp32_precision", "ieee") not in ("ieee", "none"):
+        return f"torch.backends.mkldnn.matmul.fp32_precision is {mk.fp32_precision!r}"
+    if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
+                                  or getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee") not in ("ieee", "none")):
+        return "TF32 matmuls are allowed on CUDA (torch.backends.cuda.matmul)"
+    return None
 
 
 def rows_like(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -1118,7 +1152,7 @@ SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], Subse
 
 
 def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
-                      first: bool = True) -> int:
+                      first: bool = True, rows: tuple = PROBE_ROWS) -> int:
     """How many probed column subsets ``kernel`` computes otherwise than the full call ``F.linear(h, W, b)`` (bit for
     bit): subsets of :data:`PROBE_SIZES` columns (random, the tail, a block), for :data:`PROBE_ROWS` rows. ``first``:
     stop at the first difference (returns 0 or 1)."""
@@ -1126,8 +1160,8 @@ def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel
     g = torch.Generator().manual_seed(seed)
     sizes = [s for s in PROBE_SIZES if s <= V]
     bad = 0
-    for rows in PROBE_ROWS:
-        H = torch.randn(rows, d, generator=g).to(weight.device, weight.dtype)
+    for n_rows in rows:
+        H = torch.randn(n_rows, d, generator=g).to(weight.device, weight.dtype)
         with torch.no_grad():
             full = F.linear(H, weight, bias)
             for n in sizes:
@@ -1141,11 +1175,11 @@ def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel
     return bad
 
 
-def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[str]:
+def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple = PROBE_ROWS) -> Optional[str]:
     """The first of :data:`SUBSET_KERNELS` (gathered, then blocked) that computed every probed column subset as the
-    full call does, bit for bit; ``None`` where none did."""
+    full call does, bit for bit, for ``rows`` rows of h; ``None`` where none did."""
     for name, make in SUBSET_KERNELS.items():
-        if subset_mismatches(weight, bias, make(weight, bias)) == 0:
+        if subset_mismatches(weight, bias, make(weight, bias), rows=rows) == 0:
             return name
     return None
 

@@ -13,11 +13,12 @@ from typing import Any, Optional
 
 import torch
 
+from .certificate import fp32_matmul_reason
 from .config import lowered_k
 from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
-from .static import StaticTopK
+from .static import StaticTopK, gather_matches_full
 from .step import call_guard, guard_key
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
@@ -173,6 +174,12 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                      "(prompt lookup): hf_csv's exact verify")
     if session.force_full:
         session.set_full(session.force_full)
+        return session
+    w = getattr(session.head, "weight", None)
+    why = fp32_matmul_reason(w.device) if torch.is_tensor(w) and w.dtype == torch.float32 else None
+    if why is not None:
+        session.set_full(f"{why}: stock's fp32 head then rounds otherwise than the certificates' IEEE bound "
+                         "(docs/certificates.md §2.0)")
         return session
     if session.post is None:
         session.set_full("unknown post-head transform")
@@ -561,9 +568,10 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
         why = "the compiled head needs the int8 screen (provider='screen', screen_quant='int8')"
     elif getattr(ch, "bias", None) is not None:
         why = "a head with a bias"
-    elif sampled and getattr(ch, "subset_kernel", lambda: None)() == "blocked":
-        # the graph computes S's values on the gathered rows, which this CPU rounds otherwise than the full call;
-        # only the eager head's blocked kernel gives stock's values here (docs/certificates.md §2.0)
+    elif sampled and getattr(ch, "subset_kernel", lambda probe=False: None)(probe=True) != "gathered":
+        # the graph computes S's values on gathered rows: they are stock's only where the probe, run now under this
+        # call's setting, found the gathered kernel matching the full call (docs/certificates.md §2.0); elsewhere
+        # only the eager head's blocked kernel, or none, gives stock's values
         why = "top-k sampling on a CPU whose BLAS rounds gathered rows differently from the full call"
     if why is not None:
         session.set_full(f"torch.compile (static cache): {why} is certified only in eager decoding")
@@ -574,6 +582,11 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     C = min(max(session.config.compile_capacity, _SAMPLED_CAPACITY * k if sampled else 0), ch.vocab_size - 1 - len(sup))
     if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
+        return None
+    if sampled and not gather_matches_full(ch.weight, C, batch or 1):
+        session.set_full("torch.compile (static cache): top-k sampling hands the graph's values on S to stock's "
+                         "sampler, and this CPU's BLAS computes the graph's gathered candidate rows otherwise than "
+                         "the full call (hf_csv.static.gather_matches_full); certified only in eager decoding")
         return None
     guard = call_guard(session)
     if batch is not None and guard is not None and guard.prefers_full(guard_key(session, batch)):

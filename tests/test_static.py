@@ -16,7 +16,7 @@ from transformers import CompileConfig
 
 import hf_csv
 from hf_csv import CSVConfig
-from hf_csv.certificate import CertifiedHead
+from hf_csv.certificate import CertifiedHead, probe_subset_kernel
 from hf_csv.static import StaticTopK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,6 +150,11 @@ def test_compiled_top_k_sampling_is_stock_compiled(arch, kw):
     got = _sampled(m, x, True, max_new_tokens=8, **kw)
     st = m.csv_last_stats
     assert torch.equal(ref, got)
+    if probe_subset_kernel(m.get_output_embeddings().weight.detach(), None) != "gathered":
+        # this host's BLAS rounds gathered rows otherwise than the full call (the graph's values would not be
+        # stock's): the call takes the full head and says so (docs/certificates.md §2.0)
+        assert st["mode"] == "full" and any("torch.compile" in r and "gathered" in r for r in st["reasons"]), st
+        return
     assert st["mode"] == "topk" and not st["reasons"], st
     c = st["compiled_head"]
     assert c["rows"] > 0 and c["certified"] == c["rows"], st

@@ -458,6 +458,84 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
     assert C.subset_mismatches(W, None, C.gathered_kernel(W, None), first=False) == 3 * len(C.PROBE_ROWS) * len(C.PROBE_SIZES)
 
 
+def test_a_row_count_or_setting_the_probe_did_not_try_gets_its_own_probe(monkeypatch):
+    """A BLAS that rounds 2-row subset GEMMs differently: the probe's own row counts (1, 3, 16) pass, so a plan that
+    hands the values to stock's sampler may be chosen; a 2-row call is then probed on 2 rows, finds no kernel, and
+    its values are the full call's columns (stock's bits), not an unprobed gather's. A thread count first met inside
+    a call is probed too (its own key)."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(300, 16, generator=g)
+    ch = C.CertifiedHead(W, num_outliers=4)
+    real = F.linear
+
+    def two_rows_off(h, w, b=None):
+        out = real(h, w, b)
+        return out if (w.shape[0] == W.shape[0] or h.shape[0] != 2) else torch.nextafter(out, out + 1)
+
+    if not ch.subset_exact():
+        pytest.skip("this host's BLAS has no subset kernel for this head")
+    monkeypatch.setattr(C.F, "linear", two_rows_off)
+    assert ch.subset_exact()  # the probe's own row counts still pass
+    H = torch.randn(2, 16, generator=g)
+    r, t = torch.tensor([0, 0, 1, 1]), torch.tensor([5, 7, 5, 299])
+    Hf, Hn = ch._check(H)
+    vals = ch._values(r, t, Hf, Hn, torch.float32)
+    assert ch.subset_kernel(rows=2) is None  # probed on 2 rows: no kernel matches there
+    assert torch.equal(vals, real(H, W)[r, t])  # the full call's bits
+    n = len(ch._subset_probe)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        ch._values(r[:1], t[:1], Hf[:1], Hn[:1], torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(ch._subset_probe) == n + 1  # the new thread count's own probe
+
+
+def test_reduced_fp32_matmul_precision_declines_to_the_full_head():
+    """torch.set_float32_matmul_precision("medium") changes stock's fp32 logits on CPU (oneDNN's bf16 passes): the
+    certificates' bound is for IEEE fp32 dot products, so a certified call declines, says why, and returns stock's
+    tokens under the same setting."""
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = _ids()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        want = m.generate(**x, max_new_tokens=4, do_sample=False)
+        got = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig())
+        st = m.csv_last_stats
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.equal(got, want)
+    assert st["mode"] == "full" and any("matmul_precision" in r for r in st["reasons"]), st
+    m.generate(**x, max_new_tokens=2, do_sample=False, csv_config=CSVConfig())
+    assert m.csv_last_stats["mode"] == "topk"  # back at "highest": certified again
+
+
+def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
+    """The values a sampled compiled head hands to stock's sampler come from one GEMM over the unsorted gathered
+    candidate rows: probed as such; a BLAS that rounds such a gather differently from the full call fails it."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+    from hf_csv import static as S
+
+    W = torch.randint(-3, 4, (500, 16)).float()  # integer products: every kernel gives the full call's bits
+    assert S.gather_matches_full(W, 64, rows=2)
+    real = F.linear
+
+    def gathered_off(h, w, b=None):
+        out = real(h, w, b)
+        return out if w.shape[0] == W.shape[0] else torch.nextafter(out, out + 1)
+
+    monkeypatch.setattr(S.F, "linear", gathered_off)
+    W2 = torch.randn(500, 16)
+    assert not S.gather_matches_full(W2, 64, rows=1)
+    assert C.subset_probe_key()[-2] == torch.get_float32_matmul_precision()
+
+
 def _block_rounding(monkeypatch, W):
     """F.linear as a BLAS whose rounding of a row depends on its place in a row block of 8 (MKL on host D, docs/
     certificates.md §2.0): a call whose row count is not a multiple of 8 (nor V) is one ulp off."""
