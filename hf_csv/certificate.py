@@ -1154,7 +1154,7 @@ SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], Subse
 def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
                       first: bool = True, rows: tuple = PROBE_ROWS) -> int:
     """How many probed column subsets ``kernel`` computes otherwise than the full call ``F.linear(h, W, b)`` (bit for
-    bit): subsets of :data:`PROBE_SIZES` columns (random, the tail, a block), for :data:`PROBE_ROWS` rows. ``first``:
+    bit): subsets of :data:`PROBE_SIZES` columns (random, the tail, a block), for each of ``rows`` rows of h. ``first``:
     stop at the first difference (returns 0 or 1)."""
     V, d = weight.shape
     g = torch.Generator().manual_seed(seed)
