@@ -18,7 +18,7 @@ import math
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +195,7 @@ class CertifiedHead:
         # CPU: the caller's thread count or one, whichever is faster now (robust under load; speed only)
         self._tuner = ThreadTuner() if weight.device.type == "cpu" and tune_threads else None
         self._subset_probe: dict = {}  # (MKL settings, threads) -> kernel name or None: see subset_kernel
+        self._gather_probe: dict = {}  # (capacity, rows, setting) -> bool: see graph_gather_exact
         # the top-1 epilogue (dispatch op "top1", the native kernel) serves float32 and bfloat16 CPU heads without a
         # bias, one row or several
         serves = (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu" and bias is None
@@ -231,6 +232,15 @@ class CertifiedHead:
                                "than the full call; certified sampling that reads the values (stock's sampler, "
                                "verify, scores) uses the full head here (docs/certificates.md §2.0)")
         return self._subset_probe.get(key)
+
+    def graph_gather_exact(self, capacity: int, rows: int = 1) -> bool:
+        """Whether the op a sampled compiled head (:class:`hf_csv.static.StaticTopK`) reads its values from gives
+        stock's bits on this head (:func:`graph_gather_matches_full`), probed once per capacity, row count and
+        setting (:func:`subset_probe_key`)."""
+        key = (min(int(capacity), self.vocab_size), int(rows)) + subset_probe_key()
+        if key not in self._gather_probe:
+            self._gather_probe[key] = graph_gather_matches_full(self.weight, *key[:2])
+        return self._gather_probe[key]
 
     # ----------------------------------------------------------- helpers
     def _check(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1085,9 +1095,13 @@ PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEM
 def subset_probe_key() -> tuple:
     """What a subset probe's verdict holds for: MKL's instruction-set and reproducibility settings, the thread count,
     and torch's fp32 matmul precision (a reduced one routes fp32 GEMMs through other kernels)."""
-    mk = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
     return (os.environ.get("MKL_ENABLE_INSTRUCTIONS"), os.environ.get("MKL_CBWR"), torch.get_num_threads(),
-            torch.get_float32_matmul_precision(), getattr(mk, "fp32_precision", None))
+            torch.get_float32_matmul_precision(), getattr(_mkldnn_matmul(), "fp32_precision", None))
+
+
+def _mkldnn_matmul() -> Any:
+    """``torch.backends.mkldnn.matmul`` where this torch has it (its ``fp32_precision`` setting), else ``None``."""
+    return getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
 
 
 def fp32_matmul_reason(device: torch.device) -> Optional[str]:
@@ -1097,7 +1111,7 @@ def fp32_matmul_reason(device: torch.device) -> Optional[str]:
     (docs/certificates.md §2.0), so a certified head declines them."""
     if torch.get_float32_matmul_precision() != "highest":
         return f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}, not 'highest'"
-    mk = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    mk = _mkldnn_matmul()
     if device.type == "cpu" and getattr(mk, "fp32_precision", "ieee") not in ("ieee", "none"):
         return f"torch.backends.mkldnn.matmul.fp32_precision is {mk.fp32_precision!r}"
     if device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32
@@ -1173,6 +1187,28 @@ def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel
                         if first:
                             return bad
     return bad
+
+
+def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1, draws: int = 3) -> bool:
+    """Whether the op a sampled :class:`hf_csv.static.StaticTopK` reads its values from, ``F.linear(H,
+    W[cand.reshape(-1)])`` with ``cand`` [rows, capacity] unsorted candidate rows (one fresh gather at the allocator's
+    alignment), gives every row's own columns bit for bit as the full call ``F.linear(H, W)`` does, on random h and
+    random candidate sets (``draws`` of them), measured eagerly under the current setting. A sampled compiled head
+    hands these values to stock's sampler, which no proof covers (docs/certificates.md §2.0): where this probe fails,
+    the call takes the full head. Limits: eager ops, not inductor's (whose CPU lowering of this matmul calls the same
+    BLAS GEMM)."""
+    V, d = weight.shape
+    C = min(int(capacity), V)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(draws):
+            H = torch.randn(rows, d, generator=g).to(weight.device, weight.dtype)
+            cand = torch.stack([torch.randperm(V, generator=g)[:C] for _ in range(rows)]).to(weight.device)
+            own = torch.diagonal(F.linear(H, weight[cand.reshape(-1)]).view(rows, rows, C),
+                                 dim1=0, dim2=1).transpose(0, 1)
+            if not torch.equal(own, F.linear(H, weight).gather(1, cand)):
+                return False
+    return True
 
 
 def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple = PROBE_ROWS) -> Optional[str]:

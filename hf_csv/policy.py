@@ -18,7 +18,7 @@ from .config import lowered_k
 from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
                    TopK, classify_processor, classify_stopping_criterion, masks_only)
-from .static import StaticTopK, gather_matches_full
+from .static import StaticTopK
 from .step import call_guard, guard_key
 
 # Whisper settings that read log-probabilities over the whole vocabulary (token timestamps' scores). Timestamps
@@ -583,10 +583,10 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     if C < k:
         session.set_full("torch.compile (static cache): the suppressed tokens leave no room for a candidate set")
         return None
-    if sampled and not gather_matches_full(ch.weight, C, batch or 1):
+    if sampled and not ch.graph_gather_exact(C, batch or 1):
         session.set_full("torch.compile (static cache): top-k sampling hands the graph's values on S to stock's "
                          "sampler, and this CPU's BLAS computes the graph's gathered candidate rows otherwise than "
-                         "the full call (hf_csv.static.gather_matches_full); certified only in eager decoding")
+                         "the full call (CertifiedHead.graph_gather_exact); certified only in eager decoding")
         return None
     guard = call_guard(session)
     if batch is not None and guard is not None and guard.prefers_full(guard_key(session, batch)):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
 from hf_csv_kernels.screen import weight_only_radius
 
-from .certificate import H_MAX, H_MIN, _cut, _cut_order, _down, subset_probe_key, value_interval
+from .certificate import H_MAX, H_MIN, _cut, _cut_order, _down, value_interval
 
 __all__ = ["StaticTopK"]
 
@@ -53,38 +53,6 @@ def screen_bounds(H: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor
 def _screen_bounds_fake(H: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
     V = _PROVIDERS[key].vocab_size
     return H.new_empty((H.shape[0], V), dtype=torch.float32), H.new_empty((H.shape[0], V), dtype=torch.float32)
-
-
-# verdicts by weight (address, shape, dtype, version), capacity, rows and setting: booleans, a handful per head
-_GATHER_PROBES: dict[tuple, bool] = {}
-
-
-def gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1, draws: int = 3) -> bool:
-    """Whether the op a sampled :class:`StaticTopK` reads its values from, ``F.linear(H, W[cand.reshape(-1)])`` with
-    ``cand`` [rows, capacity] unsorted candidate rows (one fresh gather at the allocator's alignment), gives every
-    row's own columns bit for bit as the full call ``F.linear(H, W)`` does, on random h and random candidate sets
-    (``draws`` of them), measured eagerly under the current setting. A sampled compiled head hands these values to
-    stock's sampler, which no proof covers (docs/certificates.md §2.0): where this probe fails, the call takes the
-    full head. Limits: eager ops, not inductor's (whose CPU lowering of this matmul calls the same BLAS GEMM);
-    cached per weight, capacity, row count and :func:`hf_csv.certificate.subset_probe_key`."""
-    V, d = weight.shape
-    C = min(int(capacity), V)
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version, C, int(rows)) + subset_probe_key()
-    cache = _GATHER_PROBES
-    if key not in cache:
-        g = torch.Generator().manual_seed(0)
-        ok = True
-        with torch.no_grad():
-            for _ in range(draws):
-                H = torch.randn(rows, d, generator=g).to(weight.device, weight.dtype)
-                cand = torch.stack([torch.randperm(V, generator=g)[:C] for _ in range(rows)]).to(weight.device)
-                own = torch.diagonal(F.linear(H, weight[cand.reshape(-1)]).view(rows, rows, C),
-                                     dim1=0, dim2=1).transpose(0, 1)
-                if not torch.equal(own, F.linear(H, weight).gather(1, cand)):
-                    ok = False
-                    break
-        cache[key] = ok
-    return cache[key]
 
 
 def _has_int8pack(device: torch.device) -> bool:

@@ -18,6 +18,7 @@ import hf_csv
 from hf_csv import CSVConfig
 from hf_csv.certificate import CertifiedHead, probe_subset_kernel
 from hf_csv.static import StaticTopK
+from hf_csv.head import find_head, get_certified_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_differential import _build  # noqa: E402
@@ -151,8 +152,8 @@ def test_compiled_top_k_sampling_is_stock_compiled(arch, kw):
     st = m.csv_last_stats
     assert torch.equal(ref, got)
     W = m.get_output_embeddings().weight.detach()
-    if probe_subset_kernel(W, None) != "gathered" or any(
-            v is False for key, v in hf_csv.static._GATHER_PROBES.items() if key[0] == W.data_ptr()):
+    ch = get_certified_head(find_head(m)[1], CSVConfig())
+    if probe_subset_kernel(W, None) != "gathered" or not all(ch._gather_probe.values()):
         # this host's BLAS rounds gathered rows (or the graph's own gather) otherwise than the full call, so the
         # graph's values would not be stock's: the call takes the full head and says so (docs/certificates.md §2.0)
         assert st["mode"] == "full" and any("torch.compile" in r and "gathered" in r for r in st["reasons"]), st

@@ -520,19 +520,18 @@ def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
     candidate rows: probed as such; a BLAS that rounds such a gather differently from the full call fails it."""
     import torch.nn.functional as F
     from hf_csv import certificate as C
-    from hf_csv import static as S
 
     W = torch.randint(-3, 4, (500, 16)).float()  # integer products: every kernel gives the full call's bits
-    assert S.gather_matches_full(W, 64, rows=2)
+    assert C.CertifiedHead(W, num_outliers=4).graph_gather_exact(64, rows=2)
     real = F.linear
 
     def gathered_off(h, w, b=None):
         out = real(h, w, b)
         return out if w.shape[0] == W.shape[0] else torch.nextafter(out, out + 1)
 
-    monkeypatch.setattr(S.F, "linear", gathered_off)
+    monkeypatch.setattr(C.F, "linear", gathered_off)
     W2 = torch.randn(500, 16)
-    assert not S.gather_matches_full(W2, 64, rows=1)
+    assert not C.graph_gather_matches_full(W2, 64, rows=1)
     assert C.subset_probe_key()[-2] == torch.get_float32_matmul_precision()
 
 
