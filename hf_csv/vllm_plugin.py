@@ -15,7 +15,9 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
   request asks for;
 * a **seeded** sampling row with a top-k (below V), or any sampling row with top-p / min-p after a top-k, gets
   stock's padded row: vLLM's values on a set S that holds stock's top-k (``CertifiedHead.topk(k)``), −inf elsewhere,
-  so vLLM's own sampler draws the token it draws for that seed. The values on S come from vLLM's own GEMM on the
+  so vLLM's own sampler draws the token it draws for that seed, where no token sits at the top-p or min-p cut
+  (:func:`sampler_boundary_unsure`: vLLM's top-p orders equal values by the whole row; otherwise the row is
+  vLLM's own). The values on S come from vLLM's own GEMM on the
   gathered rows, which equals its full call bit for bit only by measurement (:func:`probe_subset_kernel`, run once
   per head; where it fails these rows are declined): this plan rests on that probe, not on a proof.
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -71,7 +74,7 @@ from .speed import SpeedGuard
 logger = logging.getLogger(__name__)
 
 __all__ = ["register", "prebuild", "stats", "reset_stats", "worker_stats", "worker_reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
-           "RowPlan", "certify_batch", "shard_summary", "combine_shards", "build_head"]
+           "RowPlan", "certify_batch", "sampler_boundary_unsure", "probe_subset_kernel", "PROBE_ROWS", "shard_summary", "combine_shards", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
@@ -88,6 +91,9 @@ _SAMPLING_EPS = 1e-5  # vLLM's: a row with temperature below it is greedy
 # vLLM's oneDNN GEMM may round a call with one output column otherwise than its full call (docs/vllm.md): subset
 # calls are padded to this many rows of the head (probe_subset_kernel checks the padded calls)
 _MIN_SUBSET = 16
+# the largest batch whose rows probe_subset_kernel tries (a full call of this many rows, row slices of 1 to all of
+# them): rows that hand values to vLLM's sampler are certified in batches up to it only
+PROBE_ROWS = 64
 
 
 def stats() -> dict:
@@ -214,11 +220,14 @@ class RowPlan(NamedTuple):
     """What one row asks of the head: ``temperature`` 0 is greedy (certified argmax); otherwise one draw from
     softmax(top-k(logits / temperature)) (``top_k`` None: no top-k), drawn by hf_csv, or, with ``values``, by vLLM's
     own sampler from stock's padded row: vLLM's values on a set that holds stock's top-k, −inf elsewhere (a seeded
-    row: the same token for the same seed; top-p and min-p then act on that row as on stock's). ``temperature`` is
+    row: the same token for the same seed). ``top_p`` < 1 and ``min_p`` > 0 (``values`` rows only) act on that row
+    as on stock's where :func:`sampler_boundary_unsure` finds no token at their boundaries. ``temperature`` is
     vLLM's fp32 value."""
     temperature: float
     top_k: Optional[int] = None
     values: bool = False
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 GREEDY = RowPlan(0.0)
@@ -247,6 +256,8 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
                 min_p = proc.min_p_cpu
         else:
             return f"logits processor {type(proc).__name__}", None
+    if rows > PROBE_ROWS:
+        values_ok = False  # the subset kernel's probe tried batches up to PROBE_ROWS rows
     plans = []
     for i in range(rows):
         t = float(temps[i])
@@ -261,10 +272,13 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
             plans.append(RowPlan(t, k))
         elif k is None:
             return f"{why} without top-k", None
+        elif rows > PROBE_ROWS:
+            return f"{why} in a batch above {PROBE_ROWS} rows", None
         elif not values_ok:
             return f"{why}: vLLM's kernel rounds a subset of the head otherwise", None
         else:
-            plans.append(RowPlan(t, k, True))
+            plans.append(RowPlan(t, k, True, float(top_p[i]) if top_p is not None else 1.0,
+                                 float(min_p[i]) if min_p is not None else 0.0))
     return None, plans
 
 
@@ -272,19 +286,88 @@ def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Ten
                         full: Callable[[torch.Tensor], torch.Tensor], hidden: int, vocab: int,
                         dtype: torch.dtype, seed: int = 0) -> bool:
     """Whether ``kernel(H, cols)`` (the engine's own GEMM on the head's rows ``cols``) equals its full call's
-    columns ``cols`` bit for bit: 1, 3 and 8 rows of a call of 8, subsets of 1 to 1,000 rows (random, a block, the
-    tail). Plans that hand hf_csv's values to vLLM's sampler (``RowPlan.values``) need that property, which no proof
-    gives (a probe is evidence, as ``CertifiedHead.subset_exact`` is for ``F.linear``: docs/certificates.md §2.0)."""
+    columns ``cols`` bit for bit: full calls of 8 and of ``PROBE_ROWS`` rows, row slices of 1 to all of them, subsets
+    of 1 to 1,000 rows (random, a block, the tail). Plans that hand hf_csv's values to vLLM's sampler
+    (``RowPlan.values``) need that property, which no proof gives (a probe is evidence, as
+    ``CertifiedHead.subset_exact`` is for ``F.linear``: docs/certificates.md §2.0); they run in batches of at most
+    ``PROBE_ROWS`` rows."""
     g = torch.Generator().manual_seed(seed)
-    H = (torch.randn(8, hidden, generator=g) * 3).to(dtype)
-    ref = full(H)
     subsets = [torch.randperm(vocab, generator=g)[:m].sort().values for m in (1, 2, 3, 16, 257, min(1000, vocab))]
     subsets += [torch.arange(min(1000, vocab)), torch.arange(max(0, vocab - 300), vocab)]
-    for cols in subsets:
-        for rows in (slice(0, 1), slice(2, 5), slice(0, 8)):
-            if not torch.equal(kernel(H[rows], cols), ref[rows][:, cols]):
-                return False
+    for n, slices in ((8, ((0, 1), (2, 5), (0, 8))),
+                      (PROBE_ROWS, ((0, 1), (5, 22), (10, 50), (0, PROBE_ROWS)))):
+        H = (torch.randn(n, hidden, generator=g) * 3).to(dtype)
+        ref = full(H)
+        for cols in subsets:
+            for a, b in slices:
+                if not torch.equal(kernel(H[a:b], cols), ref[a:b][:, cols]):
+                    return False
     return True
+
+
+_MIN_P_FLOOR = 2.0 ** -100  # below it a kept token's fp32 probability may be subnormal: such a min-p is declined
+
+
+def sampler_boundary_unsure(x: torch.Tensor, top_k: int, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """bool [n]: rows of a padded row ``x`` (fp32 [n, V], vLLM's values divided by its fp32 temperature on a set S
+    that holds stock's top-k and every tie of its k-th, −inf elsewhere; an uncomputed token strictly below the
+    k-th) on which vLLM's min-p, top-k and top-p steps may keep another set of tokens than on stock's full row.
+
+    Why it is needed: vLLM's min-p normalises over the whole row (stock's and the padded row's sums differ, so
+    their fp32 probabilities round differently), and its top-p sorts the row with an unstable sort, whose order
+    among equal values depends on the whole row (measured: 2 of 500 random bf16 rows kept another set at top-p
+    0.9). A row is sure when (docs/vllm.md, "min-p and top-p"):
+
+    * min-p: every token of stock's top-k other than the maximum has ln(p_i / p_max) = x_i - max at least
+      2^-20 (|x_i - max| + 16) away from ln(min_p) (the fp32 softmax, the subtraction and the product with min_p
+      err by far less), and min_p >= 2^-100. Each such token is then kept or dropped alike on both rows; a token
+      outside S lies below every top-k token, so it is dropped wherever a top-k token is, and below the k-th
+      otherwise;
+    * top-p: the kept values, sorted ascending, are one sequence on both rows (the dropped entries are exact
+      zeros of the softmax), so vLLM's fp32 cumulative sums and its mask by position agree; the kept set differs
+      only where a run of equal values straddles the cut. No two adjacent equal values j, j+1 may have exact
+      cumulative sums with c_j <= 1 - p + eta and c_{j+1} > 1 - p - eta, eta = (K + 64) 2^-22 for K kept values
+      (the fp32 softmax and cumulative sum err by at most (K + 16) 2^-24). vLLM keeps the last position always:
+      the top pair is unsure when c_j <= 1 - p + eta.
+
+    The steps are vLLM 0.32's ``Sampler.sample`` order: temperature, min-p (``MinPLogitsProcessor``), then top-k and
+    top-p (``apply_top_k_top_p_pytorch``). Rows with neither min-p nor top-p are sure (top-k alone keeps the
+    values >= the k-th, one set on both rows)."""
+    n = x.shape[0]
+    unsure = torch.zeros(n, dtype=torch.bool, device=x.device)
+    if min_p <= 0.0 and top_p >= 1.0:
+        return unsure
+    x64 = x.double()
+    top = x64.max(1, keepdim=True).values
+    k = min(int(top_k), x.shape[1])
+    d = x64 - top  # exact in fp64: both fp32
+    if min_p > 0.0:
+        if min_p < _MIN_P_FLOOR:
+            return ~unsure
+        kth = x64.topk(k, 1).values[:, -1:]
+        ln = math.log(min_p)
+        near = (x64 >= kth) & (d < 0) & ((d - ln).abs() <= 2.0 ** -20 * (d.abs() + 16))
+        unsure |= near.any(1)
+        x64 = x64.masked_fill(d < ln, float("-inf"))
+    kth = x64.topk(k, 1).values[:, -1:]  # vLLM's top-k after min-p (fewer survivors: the k-th is -inf)
+    x64 = x64.masked_fill(x64 < kth, float("-inf"))
+    if top_p >= 1.0:
+        return unsure
+    thr = float(1 - torch.tensor(top_p, dtype=torch.float32))  # vLLM's fp32 ``1 - p``
+    for i in range(n):
+        if bool(unsure[i]):
+            continue
+        v = x64[i][torch.isfinite(x64[i])].sort().values  # ascending, as vLLM's sort
+        if v.numel() < 2:
+            continue
+        c = torch.exp(v - v[-1]).cumsum(0)
+        c = c / c[-1]
+        eta = (v.numel() + 64) * 2.0 ** -22
+        pair = v[1:] == v[:-1]
+        amb = pair & (c[:-1] <= thr + eta) & (c[1:] > thr - eta)
+        amb[-1] = amb[-1] | (pair[-1] & (c[-2] <= thr + eta))  # the last position is always kept
+        unsure[i] = bool(amb.any())
+    return unsure
 
 
 def _processed_unsure(res: Any, idx: torch.Tensor, N: int, d: torch.dtype,
@@ -387,9 +470,21 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                 # vLLM's top-k keeps the values >= the k-th after its fp32 division by T: a token outside S (at most
                 # the bound) must stay strictly below it there too, or the row is vLLM's own
                 T = torch.tensor(plan.temperature, dtype=torch.float32)
-                kth = (res.logits.float() / T).topk(plan.top_k, dim=1).values[:, -1]
+                x = res.logits.float() / T
+                kth = x.topk(plan.top_k, dim=1).values[:, -1]
                 open_ = ~((res.bound.float() / T) < kth) & (res.bound > float("-inf"))
                 moved, moved_why = to_vllm(idx, open_), "top-k boundary"
+                # min-p and top-p after it act on the padded row as on stock's unless a token sits at their cut
+                # (vLLM's sort orders equal values by the whole row)
+                live = (res.bound > float("-inf")) & ~open_  # rows still on hf_csv's values
+                cut = torch.zeros_like(live)
+                if (plan.top_p < 1.0 or plan.min_p > 0.0) and bool(live.any()):
+                    cut[live] = sampler_boundary_unsure(x[live], plan.top_k, plan.top_p, plan.min_p)
+                if bool(cut.any()):
+                    n_cut = to_vllm(idx, cut)
+                    counts["reasons"]["top-p or min-p boundary"] += n_cut
+                    counts["certified"] -= n_cut
+                    counts["stock_rows"] += n_cut
             else:
                 res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
                                   stock=rows_of(idx))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hf_csv import CertifiedHead
 from hf_csv.vllm_plugin import (GREEDY, RowPlan, batch_decline_reason, certify_batch, head_decline_reason,
-                                reset_stats, row_plans, stats)
+                                probe_subset_kernel, reset_stats, row_plans, sampler_boundary_unsure, stats)
 
 
 class LogitBiasLogitsProcessor:  # the names vLLM's builtin processors have
@@ -161,7 +161,12 @@ def test_row_plans():
     assert row_plans(_rows_sm([0.0, 0.8], generators={1: object()}), 2, V, values_ok=True)[0] == \
         "seeded sampling rows without top-k"
     assert row_plans(_rows_sm([0.0, 0.8], top_p=[1.0, 0.9]), 2, V, values_ok=True)[0] == "top-p without top-k"
-    assert row_plans(_rows_sm([0.8], top_k=[5], top_p=[0.9]), 1, V, values_ok=True) == (None, [RowPlan(t08, 5, True)])
+    t09 = float(torch.tensor(0.9, dtype=torch.float32))
+    assert row_plans(_rows_sm([0.8], top_k=[5], top_p=[0.9]), 1, V, values_ok=True) == \
+        (None, [RowPlan(t08, 5, True, top_p=t09)])  # top-p and min-p travel with the plan: their cuts are checked
+    assert row_plans(_rows_sm([0.8], top_k=[5], argmax_invariant=[MinPLogitsProcessor([0.1])]), 1, V,
+                     values_ok=True) == (None, [RowPlan(t08, 5, True, min_p=0.1)])
+    assert row_plans(_rows_sm([0.8], top_k=[5], top_p=[0.9]), 70, V, values_ok=True)[0] is not None  # above the probe
     assert row_plans(_rows_sm([0.0, 0.8], argmax_invariant=[MinPLogitsProcessor([0.0, 0.1])]), 2, V,
                      values_ok=True)[0] == "min-p without top-k"
     assert row_plans(_rows_sm([0.8], argmax_invariant=[UserProcessor()]), 1, V)[0] == "logits processor UserProcessor"
@@ -281,6 +286,99 @@ def test_values_rows_are_stocks_padded_row_after_top_k(dtype):
             return y.masked_fill(y < kth, float("-inf"))
         assert torch.equal(padded(logits), padded(stock(H)))
         assert counts["certified"] >= 6, counts
+
+
+def _vllm_steps_kept(x: torch.Tensor, T: float, k: int, top_p: float, min_p: float, g: torch.Generator) -> torch.Tensor:
+    """bool [n, V]: the tokens vLLM 0.32's sampler keeps for the fp32 logits ``x`` (Sampler.sample's order:
+    temperature, min-p over the softmax of the whole row, top-k, top-p on an ascending sort) where the sort orders
+    equal values at random: an unstable sort's order among ties depends on the whole row."""
+    y = x.float() / torch.tensor(T, dtype=torch.float32)
+    if min_p > 0:
+        pr = y.softmax(-1)
+        y = y.masked_fill(pr < pr.amax(-1, keepdim=True) * min_p, float("-inf"))
+    kth = y.topk(k, 1).values[:, -1:]
+    y = y.masked_fill(y < kth, float("-inf"))
+    if top_p < 1.0:
+        perm = torch.stack([torch.randperm(y.shape[1], generator=g) for _ in range(y.shape[0])])
+        ys = y.gather(1, perm).sort(dim=-1, stable=True)  # stable after a random shuffle: ties in random order
+        order = perm.gather(1, ys.indices)
+        c = ys.values.softmax(-1).cumsum(-1)
+        drop = c <= 1 - torch.tensor([top_p], dtype=torch.float32)
+        drop[:, -1] = False
+        y = y.scatter(1, order, ys.values.masked_fill(drop, float("-inf")))
+    return torch.isfinite(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.5, 0.0), (1.0, 0.05), (0.8, 0.02)])
+def test_values_rows_with_top_p_or_min_p_keep_stocks_set_whatever_the_tie_order(dtype, top_p, min_p):
+    """Seeded top-k rows with top-p / min-p: on every row hf_csv hands to vLLM's sampler, the set vLLM's steps keep
+    on the padded row equals the set they keep on stock's full row, under any order the sort gives equal values
+    (vLLM's CPU sort is unstable, its order among ties depends on the whole row). Duplicated head rows and bf16
+    make runs of equal values at the top-p cut; without the boundary check this test finds rows whose kept set
+    differs (the vLLM run whose seeded top-p prompt differed: docs/vllm.md)."""
+    g = torch.Generator().manual_seed(5)
+    V, d = 3000, 48
+    W = (torch.randn(V, d, generator=g) * 0.05).to(dtype)
+    for j in range(0, 600, 6):  # runs of equal rows: equal values in every row of the batch
+        W[j + 1:j + 4] = W[j]
+    head = CertifiedHead(W)
+    stock, _ = _other_kernel(W)
+    subset = lambda Hn, cols: stock(Hn)[:, cols]  # noqa: E731
+    moved = certified = 0
+    for rep in range(6):
+        H = (torch.randn(32, d, generator=g) * (2 + rep)).to(dtype)
+        for T, k in ((0.7, 40), (1.0, 20), (1.3, 60)):
+            plan = RowPlan(float(torch.tensor(T, dtype=torch.float32)), k, True, top_p, min_p)
+            logits, counts, reason = certify_batch(head, H, [plan] * 32, lambda: stock(H), subset=subset)
+            assert reason is None
+            moved += counts["reasons"].get("top-p or min-p boundary", 0)
+            certified += counts["certified"]
+            full = stock(H)
+            ours = ~(logits.float() == full.float()).all(1)  # rows on hf_csv's padded values
+            for _ in range(3):
+                assert torch.equal(_vllm_steps_kept(logits, plan.temperature, k, top_p, min_p, g)[ours],
+                                   _vllm_steps_kept(full, plan.temperature, k, top_p, min_p, g)[ours])
+    assert certified >= 200, certified
+    if top_p < 1.0:
+        assert moved > 0  # the data do put equal values at the cut: the check is exercised
+
+
+def test_the_subset_probe_tries_batches_up_to_its_row_limit():
+    """The probe behind values rows: a kernel exact on every subset passes; one that rounds otherwise only in calls
+    of more than 8 rows (a blocking that changes with the batch) fails, as the rows it would serve would."""
+    g = torch.Generator().manual_seed(2)
+    V, d = 2000, 32
+    W = torch.randn(V, d, generator=g) * 0.1
+    stock, _ = _other_kernel(W)
+    exact = lambda Hn, cols: stock(Hn)[:, cols]  # noqa: E731
+
+    def wide_differs(Hn, cols):
+        return (Hn @ W[cols].T) if Hn.shape[0] > 8 else stock(Hn)[:, cols]
+    assert probe_subset_kernel(exact, stock, d, V, W.dtype)
+    assert not probe_subset_kernel(wide_differs, stock, d, V, W.dtype)
+
+
+def test_sampler_boundary_check_finds_ties_at_the_top_p_cut_and_tokens_at_the_min_p_threshold():
+    # ascending kept values 1, 2, 2, 3 (T = 1): the cut at 1 - p falls between the two 2s or not
+    x = torch.full((1, 10), float("-inf"))
+    x[0, :4] = torch.tensor([1.0, 2.0, 2.0, 3.0])
+    e = torch.tensor([1.0, 2.0, 2.0, 3.0]).double().exp()
+    c = (e / e.sum()).cumsum(0)  # c[1] masks one 2 and keeps the other when c[1] <= 1 - p < c[2]
+    mid = float(1 - (c[1] + c[2]) / 2)
+    assert bool(sampler_boundary_unsure(x, 4, top_p=mid)[0])
+    assert not bool(sampler_boundary_unsure(x, 4, top_p=float(1 - c[2] - 0.01))[0])  # both 2s kept
+    assert not bool(sampler_boundary_unsure(x, 4, top_p=float(1 - c[1] + 0.01))[0])  # both 2s dropped
+    assert not bool(sampler_boundary_unsure(x, 4)[0])  # top-k alone: one set on both rows
+    # the max itself tied: vLLM keeps the last position always, so a tiny top-p splits the pair
+    y = x.clone()
+    y[0, :4] = torch.tensor([1.0, 2.0, 3.0, 3.0])
+    assert bool(sampler_boundary_unsure(y, 4, top_p=1e-3)[0])
+    # a token whose probability ratio to the maximum is min_p itself, to rounding: unsure; min_p apart: sure
+    ratio = float(torch.tensor(2.0 - 3.0).double().exp())
+    assert bool(sampler_boundary_unsure(x, 4, min_p=ratio)[0])
+    assert not bool(sampler_boundary_unsure(x, 4, min_p=ratio * 1.01)[0])
+    assert bool(sampler_boundary_unsure(x, 4, min_p=1e-40)[0])  # a min-p whose threshold may be subnormal
 
 
 def test_out_of_range_hidden_state_is_declined():
