@@ -33,6 +33,8 @@ values themselves or something between the head and the sampler changes entries:
   beside sampling rows, a thinking budget, structured outputs;
 * under tensor parallelism: sampling rows and lowering steps (greedy rows are certified per vocabulary shard and
   combined within their slack: :func:`combine_shards`);
+* an fp32 head under a reduced fp32 matmul precision (``torch.set_float32_matmul_precision`` below "highest",
+  oneDNN's bf16 passes: ``certificate.fp32_matmul_reason``);
 * speculative decoding, a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range);
@@ -67,7 +69,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .certificate import H_MAX, H_MIN, CertifiedHead, value_interval
+from .certificate import H_MAX, H_MIN, CertifiedHead, fp32_matmul_reason, value_interval
 from .config import lowered_k
 from .speed import SpeedGuard
 
@@ -213,6 +215,9 @@ def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
     w = getattr(lm_head, "weight", None)
     if w is None or w.dim() != 2 or w.dtype != hidden_states.dtype:
         return "head weight"
+    if w.dtype == torch.float32 and fp32_matmul_reason(hidden_states.device) is not None:
+        # torch's reduced fp32 matmul precision (or oneDNN's bf16 passes) leaves the γ bound (certificates §2.0)
+        return "reduced fp32 matmul precision"
     return None
 
 
@@ -793,7 +798,8 @@ def _layer_class():
             # the head's own configuration first (constant for a layer, its weights and the activations' dtype and
             # device: kept per layer), so that a head declined whatever the batch is counted under its reason; keyed
             # on the head module itself (the memo holds it: no id of a freed module can come back)
-            hk = (lm_head, hidden_states.dtype, hidden_states.device.type, embedding_bias is None)
+            hk = (lm_head, hidden_states.dtype, hidden_states.device.type, embedding_bias is None,
+                  fp32_matmul_reason(hidden_states.device))  # (a precision set after the first step is seen)
             reason = self._hf_csv_head_why.get(hk, _UNSEEN)
             if reason is _UNSEEN:
                 reason = self._hf_csv_head_why[hk] = head_decline_reason(self, lm_head, hidden_states, embedding_bias)

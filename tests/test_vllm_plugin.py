@@ -127,6 +127,16 @@ def test_head_classifier():
     q = SimpleNamespace(tp_size=1, quant_method=object(), weight=w)
     assert head_decline_reason(_layer(), q, H, None) == "quantized head"
     assert head_decline_reason(_layer(), head, H.bfloat16(), None) == "head weight"
+    # a reduced fp32 matmul precision changes the engine's fp32 values beyond the bound: declined, restored after
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert head_decline_reason(_layer(), head, H, None) == "reduced fp32 matmul precision"
+        bf = SimpleNamespace(tp_size=1, quant_method=UnquantizedEmbeddingMethod(), weight=w.bfloat16())
+        assert head_decline_reason(_layer(), bf, H.bfloat16(), None) is None  # bf16 GEMMs are not affected
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert head_decline_reason(_layer(), head, H, None) is None
 
 
 class MinPLogitsProcessor:
