@@ -62,6 +62,8 @@ class CertStats:
     subvocab_sum: int = 0
     subvocab_sizes: list = field(default_factory=list)
     near_ties: int = 0
+    # in-range rows of a call that also held a non-finite or out-of-range row: stock's rows of that call's full head
+    beside_bad: int = 0
     native: int = 0  # certified rows whose epilogue ran in the native one-row kernel (own_values; speed only)
     tv_bound_max: float = 0.0
     radius_sum: float = 0.0
@@ -69,7 +71,8 @@ class CertStats:
     collect_radius: bool = True
 
     def merge(self, other: "CertStats") -> "CertStats":
-        for f in ("rows", "certified", "fallback", "nonfinite", "out_of_range", "subvocab_sum", "near_ties", "native"):
+        for f in ("rows", "certified", "fallback", "nonfinite", "out_of_range", "subvocab_sum", "near_ties", "beside_bad",
+                  "native"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.subvocab_sizes.extend(other.subvocab_sizes)
         self.tv_bound_max = max(self.tv_bound_max, other.tv_bound_max)
@@ -90,6 +93,7 @@ class CertStats:
         return {"rows": self.rows, "certified": self.certified, "fallback": self.fallback,
                 "nonfinite": self.nonfinite, "out_of_range": self.out_of_range, "certified_fraction": self.certified_fraction,
                 "mean_subvocab_fraction": self.mean_subvocab_fraction, "near_ties": self.near_ties,
+                "beside_bad": self.beside_bad,
                 "native_rows": self.native,
                 "tv_bound_max": self.tv_bound_max,
                 "mean_bound_radius": self.radius_sum / self.subvocab_sum if self.subvocab_sum else 0.0}
@@ -473,54 +477,32 @@ class CertifiedHead:
         finite = (amax >= H_MIN) & (amax <= H_MAX)
         if bool(finite.all()):
             return fn(Hf, Hn, *args, **kwargs)
+        # A call with such a row is stock's full call on every row: the in-range rows too, since a certified
+        # call on fewer rows than stock's would compute their values (a fallback's row, the values a plan hands to
+        # stock's code) in a GEMM of another row count, which may round otherwise (docs/certificates.md §2.0)
         stats = CertStats(vocab_size=self.vocab_size)
         N = Hf.shape[0]
         out_dtype = kwargs.get("out_dtype") or torch.float32
         logits = self._stock_rows(Hf, Hn, out_dtype, kwargs.get("stock")).clone()
         mask = torch.ones(N, self.vocab_size, dtype=torch.bool, device=Hf.device)
         bound = torch.full((N,), float("-inf"), device=Hf.device)
-        tokens = None
-        bad = (~finite).nonzero(as_tuple=True)[0]
-        stats.rows += len(bad)
-        stats.fallback += len(bad)
+        nbad = int((~finite).sum())
         nonfin = int((~torch.isfinite(amax)).sum())
+        stats.rows += N
+        stats.fallback += N
         stats.nonfinite += nonfin
-        stats.out_of_range += len(bad) - nonfin
-        good = finite.nonzero(as_tuple=True)[0]
-        if len(good):
-            sub_kw = dict(kwargs)
-            if kwargs.get("noise") is not None:  # given per-row noise (Gumbel-coupled draws): the finite rows' rows
-                sub_kw["noise"] = kwargs["noise"][good]
-            sub = fn(Hf[good], Hn[good], *args, **sub_kw)
-            stats.merge(sub.stats)
-            if sub.logits is not None:
-                logits[good] = sub.logits
-            if sub.mask is not None:
-                mask[good] = sub.mask
-            if sub.bound is not None:
-                bound[good] = sub.bound
-            if sub.tokens is not None:
-                tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
-                tokens[good] = sub.tokens
-        upper = None
+        stats.out_of_range += nbad - nonfin
+        stats.beside_bad += N - nbad
+        tokens = upper = noise = cut = shift = None
         if kwargs.get("with_upper"):  # full rows hold every token: their upper bounds are never read
             upper = torch.full((N, self.vocab_size), float("inf"), device=Hf.device)
-            if len(good):
-                upper[good] = sub.upper
-        noise = cut = shift = None
         if getattr(fn, "__name__", "") == "_sample":  # full rows: no draw here (tokens -1), fresh noise, no cut
-            if tokens is None:
-                tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
+            tokens = torch.full((N,), -1, dtype=torch.long, device=Hf.device)
             noise = kwargs.get("noise")
             noise = gumbel_noise((N, self.vocab_size), Hf.device, kwargs.get("generator")) if noise is None \
                 else noise.clone()
             cut = torch.full((N,), float("-inf"), device=Hf.device)
             shift = torch.zeros(N, device=Hf.device)  # (rows without a cut: a later draw shifts by its own row's max)
-            if len(good):
-                noise[good] = sub.noise
-                cut[good] = sub.cut
-                if sub.shift is not None:
-                    shift[good] = sub.shift
         return CertResult(logits=logits, stats=stats, tokens=tokens, mask=mask, bound=bound, noise=noise, cut=cut,
                           upper=upper, shift=shift)
 

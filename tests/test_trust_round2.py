@@ -118,6 +118,29 @@ def test_tiny_and_huge_hidden_states_are_stock_or_declined(scale):
     assert torch.equal(res.logits[full], stock[full])
 
 
+@pytest.mark.parametrize("kind", ["topk", "sample"])
+def test_a_call_with_an_out_of_range_row_is_stocks_full_call_on_every_row(kind):
+    """A batch with one non-finite row: its in-range rows are stock's rows of the same full call, not a certified
+    call on fewer rows (whose GEMM of another row count may round a fallback's row or the values handed to stock's
+    code otherwise), every row counted."""
+    from hf_csv import CertifiedHead
+    import torch.nn.functional as F
+
+    torch.manual_seed(1)
+    W = torch.randn(3001, 32)
+    H = torch.randn(3, 32)
+    H[1, 0] = float("inf")
+    head = CertifiedHead(W)
+    res = head.topk(H, k=2) if kind == "topk" else head.sample(H, temperature=0.8)
+    stock = F.linear(H, W)
+    ok = torch.tensor([0, 2])
+    assert torch.equal(res.logits[ok], stock[ok])
+    assert res.stats.rows == 3 and res.stats.certified == 0 and res.stats.fallback == 3
+    assert res.stats.nonfinite == 1 and res.stats.beside_bad == 2
+    if kind == "sample":
+        assert bool((res.tokens == -1).all())  # full rows: the caller draws from them
+
+
 def test_subnormal_final_norm_generates_stock_tokens():
     """A tiny Llama whose final norm weight is 1e-44 generated [490, 140, 0, 0] against stock's, all "certified"."""
     import copy
