@@ -359,10 +359,14 @@ class CertifiedHead:
                     # probes before it picks one); then this setting and row count are probed too (a setting first
                     # met here, e.g. a thread count changed inside the call, is probed now, not assumed)
                     relied = any(v is not None for v in self._subset_probe.values())
-                    kind = self.subset_kernel(probe=relied, rows=Hn.shape[0])
+                    # the probes multiply fresh, contiguous h; a strided or offset h (a prefill step's last
+                    # positions) may be peeled otherwise by the BLAS: no probed kernel is trusted there
+                    probed_layout = Hn.is_contiguous() and Hn.data_ptr() % 64 == 0
+                    kind = self.subset_kernel(probe=relied, rows=Hn.shape[0]) if probed_layout or not relied \
+                        else None
                     if kind is not None:  # the probed kernel (it matched the full call, alignment included)
                         out = SUBSET_KERNELS[kind](self.weight, self.bias_native)(Hn, cols)
-                    elif relied:  # no kernel matches here: stock's own full call, its columns
+                    elif relied:  # no kernel matches here: stock's own full call on this h, its columns
                         out = F.linear(Hn, self.weight, self.bias_native)[:, cols]
                     else:  # no plan relies on stock's bits on this head: the values serve within their slack
                         out = F.linear(Hn, Wc, b)

@@ -518,6 +518,38 @@ def test_a_row_count_or_setting_the_probe_did_not_try_gets_its_own_probe(monkeyp
     assert len(ch._subset_probe) == n + 1  # the new thread count's own probe
 
 
+def test_values_of_a_strided_or_offset_h_are_the_full_calls_where_a_plan_relies_on_stocks_bits(monkeypatch):
+    """The probes multiply fresh, contiguous h; a prefill step's last positions are a strided view (or, for one row,
+    one at an offset). Where a plan relies on stock's bits, such an h gets the full call's columns on that very h,
+    no probed kernel (a BLAS stand-in that rounds subset GEMMs otherwise on offset h only would pass every probe)."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(300, 16, generator=g)
+    ch = C.CertifiedHead(W, num_outliers=4)
+    real = F.linear
+
+    def offset_off(h, w, b=None):
+        out = real(h, w, b)
+        aligned = h.is_contiguous() and h.data_ptr() % 64 == 0
+        return out if (w.shape[0] == W.shape[0] or aligned) else torch.nextafter(out, out + 1)
+
+    if not ch.subset_exact():
+        pytest.skip("this host's BLAS has no subset kernel for this head")
+    monkeypatch.setattr(C.F, "linear", offset_off)
+    assert ch.subset_exact()  # fresh h: every probe passes
+    seq = torch.randn(2, 5, 17, generator=g)[..., :16]  # [B, L, d] with a row stride of 5·17: the last positions
+    H = seq[:, -1, :]
+    assert not H.is_contiguous()
+    r, t = torch.tensor([0, 0, 1, 1]), torch.tensor([5, 7, 5, 299])
+    Hf, Hn = ch._check(H)
+    assert torch.equal(ch._values(r, t, Hf, Hn, torch.float32), real(H, W)[r, t])
+    one = torch.randn(40, generator=g)[3:19]  # one row at an offset of 12 bytes
+    Hf, Hn = ch._check(one[None])
+    assert torch.equal(ch._values(r[:2], t[:2], Hf, Hn, torch.float32), real(one[None], W)[r[:2], t[:2]])
+
+
 def test_reduced_fp32_matmul_precision_declines_to_the_full_head():
     """torch.set_float32_matmul_precision("medium") changes stock's fp32 logits on CPU (oneDNN's bf16 passes): the
     certificates' bound is for IEEE fp32 dot products, so a certified call declines, says why, and returns stock's
