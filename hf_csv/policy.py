@@ -176,9 +176,11 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         session.set_full(session.force_full)
         return session
     w = getattr(session.head, "weight", None)
-    why = fp32_matmul_reason(w.device) if torch.is_tensor(w) and w.dtype == torch.float32 else None
+    # fp32: stock's own head; fp16: the certificate's fp32 GEMMs on fp16 values (bf16 values stay exact in bf16
+    # passes): both leave the IEEE fp32 bound the certificates prove against
+    why = fp32_matmul_reason(w.device) if torch.is_tensor(w) and w.dtype in (torch.float32, torch.float16) else None
     if why is not None:
-        session.set_full(f"{why}: stock's fp32 head then rounds otherwise than the certificates' IEEE bound "
+        session.set_full(f"{why}: fp32 matmuls then round otherwise than the certificates' IEEE bound "
                          "(docs/certificates.md §2.0)")
         return session
     if session.post is None:

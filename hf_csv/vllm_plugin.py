@@ -215,8 +215,9 @@ def head_decline_reason(layer: Any, lm_head: Any, hidden_states: torch.Tensor,
     w = getattr(lm_head, "weight", None)
     if w is None or w.dim() != 2 or w.dtype != hidden_states.dtype:
         return "head weight"
-    if w.dtype == torch.float32 and fp32_matmul_reason(hidden_states.device) is not None:
-        # torch's reduced fp32 matmul precision (or oneDNN's bf16 passes) leaves the γ bound (certificates §2.0)
+    if w.dtype in (torch.float32, torch.float16) and fp32_matmul_reason(hidden_states.device) is not None:
+        # torch's reduced fp32 matmul precision (or oneDNN's bf16 passes) leaves the γ bound (certificates §2.0):
+        # vLLM's fp32 head itself, or hf_csv's fp32 GEMMs on fp16 values
         return "reduced fp32 matmul precision"
     return None
 
@@ -289,25 +290,43 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
 
 def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                         full: Callable[[torch.Tensor], torch.Tensor], hidden: int, vocab: int,
-                        dtype: torch.dtype, seed: int = 0) -> bool:
+                        dtype: torch.dtype, seed: int = 0, rows: Optional[int] = None) -> bool:
     """Whether ``kernel(H, cols)`` (the engine's own GEMM on the head's rows ``cols``) equals its full call's
-    columns ``cols`` bit for bit: full calls of 8 and of ``PROBE_ROWS`` rows, row slices of 1 to all of them, subsets
-    of 1 to 1,000 rows (random, a block, the tail). Plans that hand hf_csv's values to vLLM's sampler
-    (``RowPlan.values``) need that property, which no proof gives (a probe is evidence, as
+    columns ``cols`` bit for bit, on subsets of 1 to 1,000 rows (random, a block, the tail): for full calls of 8 and
+    ``PROBE_ROWS`` rows and row slices of 1 to all of them (``rows`` None), or for a full call of ``rows`` rows and
+    slices of 1, about a half, the last two thirds and all of them (a batch of that size, probed when first met).
+    Each slice is a fresh contiguous tensor, as ``certify_batch`` passes a plan's rows. Plans that hand hf_csv's
+    values to vLLM's sampler (``RowPlan.values``) need that property, which no proof gives (a probe is evidence, as
     ``CertifiedHead.subset_exact`` is for ``F.linear``: docs/certificates.md §2.0); they run in batches of at most
-    ``PROBE_ROWS`` rows."""
+    ``PROBE_ROWS`` rows, each batch size probed."""
     g = torch.Generator().manual_seed(seed)
     subsets = [torch.randperm(vocab, generator=g)[:m].sort().values for m in (1, 2, 3, 16, 257, min(1000, vocab))]
     subsets += [torch.arange(min(1000, vocab)), torch.arange(max(0, vocab - 300), vocab)]
-    for n, slices in ((8, ((0, 1), (2, 5), (0, 8))),
-                      (PROBE_ROWS, ((0, 1), (5, 22), (10, 50), (0, PROBE_ROWS)))):
+    if rows is None:
+        plan = ((8, ((0, 1), (2, 5), (0, 8))), (PROBE_ROWS, ((0, 1), (5, 22), (10, 50), (0, PROBE_ROWS))))
+    else:
+        n = int(rows)
+        plan = ((n, tuple(sorted({(0, 1), (0, max(1, n // 2)), (n // 3, n), (0, n)}))),)
+    for n, slices in plan:
         H = (torch.randn(n, hidden, generator=g) * 3).to(dtype)
         ref = full(H)
         for cols in subsets:
             for a, b in slices:
-                if not torch.equal(kernel(H[a:b], cols), ref[a:b][:, cols]):
+                part = H if (a, b) == (0, n) else H[a:b].clone()
+                if not torch.equal(kernel(part, cols), ref[a:b][:, cols]):
                     return False
     return True
+
+
+def _sampler_is_pytorch() -> bool:
+    """Whether vLLM's ``apply_top_k_top_p`` takes its PyTorch path (``apply_top_k_top_p_pytorch`` /
+    ``apply_top_k_only``), the one :func:`sampler_boundary_unsure` models: not where vLLM found Triton."""
+    try:
+        from vllm.v1.sample.ops import topk_topp_sampler
+    except ImportError:
+        return False
+    return not getattr(topk_topp_sampler, "HAS_TRITON", True) and hasattr(topk_topp_sampler,
+                                                                          "apply_top_k_top_p_pytorch")
 
 
 _MIN_P_FLOOR = 2.0 ** -100  # below it a kept token's fp32 probability may be subnormal: such a min-p is declined
@@ -634,7 +653,8 @@ def _layer_class():
             self._hf_csv_guarded = SpeedGuard.enabled()
             self._hf_csv_max_rows = _max_rows()
             self._hf_csv_head_why: dict = {}  # head_decline_reason per (head, dtype, device, bias or not)
-            self._hf_csv_subset: Optional[tuple] = None  # (weight key, kernel, probe passed)
+            # (weight key, kernel, probe passed, full call, {batch rows: that size's probe passed})
+            self._hf_csv_subset: Optional[tuple] = None
             _LAYERS.add(self)
 
         def _certified_head(self, lm_head) -> CertifiedHead:
@@ -667,9 +687,11 @@ def _layer_class():
                 self._certified_head(lm_head).prepare(H)
             return True
 
-        def _subset_kernel(self, lm_head) -> tuple[Callable, bool]:
-            """vLLM's own GEMM dispatch on a subset of this head's rows, and whether it computes them bit for bit as
-            its full call (:func:`probe_subset_kernel`, once per weights)."""
+        def _subset_kernel(self, lm_head, rows: int) -> tuple[Callable, bool]:
+            """vLLM's own GEMM dispatch on a subset of this head's rows, and whether values rows may use it: it
+            computes them bit for bit as its full call (:func:`probe_subset_kernel`, once per weights, and once per
+            batch size of ``rows`` rows), and vLLM's top-k / top-p is its PyTorch path (the one
+            :func:`sampler_boundary_unsure` models; a Triton build's kernel is not checked: declined)."""
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             w = lm_head.weight
@@ -687,14 +709,26 @@ def _layer_class():
                     dispatch_cpu_unquantized_gemm(part, remove_weight=False)
                     return part.cpu_linear(Hn, part.weight, None)[:, :m]
 
+                def full(H: torch.Tensor) -> torch.Tensor:
+                    return self._apply_head(lm_head, H, None)[:, :n]
+
                 with torch.inference_mode(False), torch.no_grad():
-                    ok = probe_subset_kernel(kernel, lambda H: self._apply_head(lm_head, H, None)[:, :n],
-                                             W.shape[1], n, W.dtype)
+                    ok = _sampler_is_pytorch() and probe_subset_kernel(kernel, full, W.shape[1], n, W.dtype)
                 if not ok:
                     logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
-                                   "than its full call: seeded sampling, top-p and min-p rows take vLLM's head")
-                self._hf_csv_subset = (key, kernel, ok)
-            return self._hf_csv_subset[1], self._hf_csv_subset[2]
+                                   "than its full call, or its sampler's top-k / top-p is not the PyTorch path: "
+                                   "seeded sampling, top-p and min-p rows take vLLM's head")
+                self._hf_csv_subset = (key, kernel, ok, full, {})
+            _, kernel, ok, full, by_rows = self._hf_csv_subset
+            if ok and rows not in by_rows:
+                with torch.inference_mode(False), torch.no_grad():
+                    by_rows[rows] = probe_subset_kernel(kernel, full, lm_head.weight.shape[1], n,
+                                                        lm_head.weight.dtype, rows=rows)
+                if not by_rows[rows]:
+                    logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
+                                   "than its full call in batches of %d rows: their seeded sampling, top-p and "
+                                   "min-p rows take vLLM's head", rows)
+            return kernel, ok and by_rows[rows]
 
         def _hf_csv_rows(self, lm_head) -> int:
             """Rows of this rank's head weight that hold the model's own tokens (its shard's, under TP)."""
@@ -830,7 +864,7 @@ def _layer_class():
                 lowering = lowering_steps(sm)
                 reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=True)
                 if reason is None and any(p.values for p in plans):
-                    subset, ok = self._subset_kernel(lm_head)
+                    subset, ok = self._subset_kernel(lm_head, rows)
                     if not ok:
                         reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=False)
                 if lowering and reason is None:

@@ -570,6 +570,23 @@ def test_reduced_fp32_matmul_precision_declines_to_the_full_head():
     assert m.csv_last_stats["mode"] == "topk"  # back at "highest": certified again
 
 
+def test_reduced_fp32_matmul_precision_declines_an_fp16_head_too():
+    """An fp16 head: stock's fp16 GEMM ignores the fp32 setting, but the certificate's own fp32 GEMMs on fp16 values
+    (the accumulators and Σ|W h| of its bounds) would run as bf16 passes, which do not hold fp16's mantissa."""
+    m = hf_csv.enable(tiny_llama(scale=20.0).to(torch.float16))
+    x = _ids()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        want = m.generate(**x, max_new_tokens=3, do_sample=False)
+        got = m.generate(**x, max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
+        st = m.csv_last_stats
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.equal(got, want)
+    assert st["mode"] == "full" and any("matmul_precision" in r for r in st["reasons"]), st
+
+
 def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
     """The values a sampled compiled head hands to stock's sampler come from one GEMM over the unsorted gathered
     candidate rows: probed as such; a BLAS that rounds such a gather differently from the full call fails it."""

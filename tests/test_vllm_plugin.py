@@ -133,7 +133,9 @@ def test_head_classifier():
         torch.set_float32_matmul_precision("medium")
         assert head_decline_reason(_layer(), head, H, None) == "reduced fp32 matmul precision"
         bf = SimpleNamespace(tp_size=1, quant_method=UnquantizedEmbeddingMethod(), weight=w.bfloat16())
-        assert head_decline_reason(_layer(), bf, H.bfloat16(), None) is None  # bf16 GEMMs are not affected
+        assert head_decline_reason(_layer(), bf, H.bfloat16(), None) is None  # bf16 values stay exact in bf16 passes
+        hf = SimpleNamespace(tp_size=1, quant_method=UnquantizedEmbeddingMethod(), weight=w.half())
+        assert head_decline_reason(_layer(), hf, H.half(), None) == "reduced fp32 matmul precision"  # hf_csv's GEMMs
     finally:
         torch.set_float32_matmul_precision(prev)
     assert head_decline_reason(_layer(), head, H, None) is None
@@ -367,6 +369,12 @@ def test_the_subset_probe_tries_batches_up_to_its_row_limit():
         return (Hn @ W[cols].T) if Hn.shape[0] > 8 else stock(Hn)[:, cols]
     assert probe_subset_kernel(exact, stock, d, V, W.dtype)
     assert not probe_subset_kernel(wide_differs, stock, d, V, W.dtype)
+
+    def five_differs(Hn, cols):  # a row count the general probe never tries: a batch of 5 gets its own probe
+        return (Hn @ W[cols].T) if Hn.shape[0] == 5 else stock(Hn)[:, cols]
+    assert probe_subset_kernel(five_differs, stock, d, V, W.dtype)
+    assert not probe_subset_kernel(five_differs, stock, d, V, W.dtype, rows=5)
+    assert probe_subset_kernel(five_differs, stock, d, V, W.dtype, rows=6)
 
 
 def test_sampler_boundary_check_finds_ties_at_the_top_p_cut_and_tokens_at_the_min_p_threshold():
