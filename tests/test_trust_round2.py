@@ -481,22 +481,30 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
     assert C.subset_mismatches(W, None, C.gathered_kernel(W, None), first=False) == 3 * len(C.PROBE_ROWS) * len(C.PROBE_SIZES)
 
 
+def _blas_standin(seed: int, off):
+    """(generator, W [300, 16], its CertifiedHead, the real F.linear, a stand-in F.linear that rounds a *subset* GEMM
+    one ulp up where ``off(h)`` holds and is the real one elsewhere, full calls included)."""
+    import torch.nn.functional as F
+    from hf_csv import certificate as C
+
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(300, 16, generator=g)
+    real = F.linear
+
+    def linear(h, w, b=None):
+        out = real(h, w, b)
+        return out if (w.shape[0] == W.shape[0] or not off(h)) else torch.nextafter(out, out + 1)
+    return g, W, C.CertifiedHead(W, num_outliers=4), real, linear
+
+
 def test_a_row_count_or_setting_the_probe_did_not_try_gets_its_own_probe(monkeypatch):
     """A BLAS that rounds 2-row subset GEMMs differently: the probe's own row counts (1, 3, 16) pass, so a plan that
     hands the values to stock's sampler may be chosen; a 2-row call is then probed on 2 rows, finds no kernel, and
     its values are the full call's columns (stock's bits), not an unprobed gather's. A thread count first met inside
     a call is probed too (its own key)."""
-    import torch.nn.functional as F
     from hf_csv import certificate as C
 
-    g = torch.Generator().manual_seed(1)
-    W = torch.randn(300, 16, generator=g)
-    ch = C.CertifiedHead(W, num_outliers=4)
-    real = F.linear
-
-    def two_rows_off(h, w, b=None):
-        out = real(h, w, b)
-        return out if (w.shape[0] == W.shape[0] or h.shape[0] != 2) else torch.nextafter(out, out + 1)
+    g, W, ch, real, two_rows_off = _blas_standin(1, lambda h: h.shape[0] == 2)
 
     if not ch.subset_exact():
         pytest.skip("this host's BLAS has no subset kernel for this head")
@@ -522,18 +530,9 @@ def test_values_of_a_strided_or_offset_h_are_the_full_calls_where_a_plan_relies_
     """The probes multiply fresh, contiguous h; a prefill step's last positions are a strided view (or, for one row,
     one at an offset). Where a plan relies on stock's bits, such an h gets the full call's columns on that very h,
     no probed kernel (a BLAS stand-in that rounds subset GEMMs otherwise on offset h only would pass every probe)."""
-    import torch.nn.functional as F
     from hf_csv import certificate as C
 
-    g = torch.Generator().manual_seed(3)
-    W = torch.randn(300, 16, generator=g)
-    ch = C.CertifiedHead(W, num_outliers=4)
-    real = F.linear
-
-    def offset_off(h, w, b=None):
-        out = real(h, w, b)
-        aligned = h.is_contiguous() and h.data_ptr() % 64 == 0
-        return out if (w.shape[0] == W.shape[0] or aligned) else torch.nextafter(out, out + 1)
+    g, W, ch, real, offset_off = _blas_standin(3, lambda h: not (h.is_contiguous() and h.data_ptr() % 64 == 0))
 
     if not ch.subset_exact():
         pytest.skip("this host's BLAS has no subset kernel for this head")
@@ -550,11 +549,13 @@ def test_values_of_a_strided_or_offset_h_are_the_full_calls_where_a_plan_relies_
     assert torch.equal(ch._values(r[:2], t[:2], Hf, Hn, torch.float32), real(one[None], W)[r[:2], t[:2]])
 
 
-def test_reduced_fp32_matmul_precision_declines_to_the_full_head():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reduced_fp32_matmul_precision_declines_to_the_full_head(dtype):
     """torch.set_float32_matmul_precision("medium") changes stock's fp32 logits on CPU (oneDNN's bf16 passes): the
     certificates' bound is for IEEE fp32 dot products, so a certified call declines, says why, and returns stock's
-    tokens under the same setting."""
-    m = hf_csv.enable(tiny_llama(scale=20.0))
+    tokens under the same setting. An fp16 head too: stock's fp16 GEMM ignores the setting, but the certificate's
+    own fp32 GEMMs on fp16 values (its accumulators and Σ|W h|) would run as bf16 passes, which drop fp16's bits."""
+    m = hf_csv.enable(tiny_llama(scale=20.0).to(dtype))
     x = _ids()
     before = torch.get_float32_matmul_precision()
     try:
@@ -566,25 +567,9 @@ def test_reduced_fp32_matmul_precision_declines_to_the_full_head():
         torch.set_float32_matmul_precision(before)
     assert torch.equal(got, want)
     assert st["mode"] == "full" and any("matmul_precision" in r for r in st["reasons"]), st
-    m.generate(**x, max_new_tokens=2, do_sample=False, csv_config=CSVConfig())
-    assert m.csv_last_stats["mode"] == "topk"  # back at "highest": certified again
-
-
-def test_reduced_fp32_matmul_precision_declines_an_fp16_head_too():
-    """An fp16 head: stock's fp16 GEMM ignores the fp32 setting, but the certificate's own fp32 GEMMs on fp16 values
-    (the accumulators and Σ|W h| of its bounds) would run as bf16 passes, which do not hold fp16's mantissa."""
-    m = hf_csv.enable(tiny_llama(scale=20.0).to(torch.float16))
-    x = _ids()
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("medium")
-        want = m.generate(**x, max_new_tokens=3, do_sample=False)
-        got = m.generate(**x, max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
-        st = m.csv_last_stats
-    finally:
-        torch.set_float32_matmul_precision(before)
-    assert torch.equal(got, want)
-    assert st["mode"] == "full" and any("matmul_precision" in r for r in st["reasons"]), st
+    if dtype == torch.float32:
+        m.generate(**x, max_new_tokens=2, do_sample=False, csv_config=CSVConfig())
+        assert m.csv_last_stats["mode"] == "topk"  # back at "highest": certified again
 
 
 def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
