@@ -19,7 +19,8 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
   (:func:`sampler_boundary_unsure`: vLLM's top-p orders equal values by the whole row; otherwise the row is
   vLLM's own). The values on S come from vLLM's own GEMM on the
   gathered rows, which equals its full call bit for bit only by measurement (:func:`probe_subset_kernel`, run once
-  per head; where it fails these rows are declined): this plan rests on that probe, not on a proof.
+  per head and once per batch size of at most ``PROBE_ROWS`` rows; where it fails these rows are declined): this plan
+  rests on that probe, not on a proof.
 
 Wherever the certificate needs stock's whole row (a near tie within the recomputed values' slack, a sub-vocabulary
 over the budget), it is vLLM's own head, called once on the whole batch, so those rows are vLLM's values bit for
@@ -33,8 +34,8 @@ values themselves or something between the head and the sampler changes entries:
   beside sampling rows, a thinking budget, structured outputs;
 * under tensor parallelism: sampling rows and lowering steps (greedy rows are certified per vocabulary shard and
   combined within their slack: :func:`combine_shards`);
-* an fp32 head under a reduced fp32 matmul precision (``torch.set_float32_matmul_precision`` below "highest",
-  oneDNN's bf16 passes: ``certificate.fp32_matmul_reason``);
+* an fp32 or fp16 head under a reduced fp32 matmul precision (``torch.set_float32_matmul_precision`` below
+  "highest", oneDNN's bf16 passes: ``certificate.fp32_matmul_reason``);
 * speculative decoding, a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range);
@@ -262,8 +263,6 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
                 min_p = proc.min_p_cpu
         else:
             return f"logits processor {type(proc).__name__}", None
-    if rows > PROBE_ROWS:
-        values_ok = False  # the subset kernel's probe tried batches up to PROBE_ROWS rows
     plans = []
     for i in range(rows):
         t = float(temps[i])
@@ -278,7 +277,7 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
             plans.append(RowPlan(t, k))
         elif k is None:
             return f"{why} without top-k", None
-        elif rows > PROBE_ROWS:
+        elif rows > PROBE_ROWS:  # the subset kernel's probe tries batches up to PROBE_ROWS rows
             return f"{why} in a batch above {PROBE_ROWS} rows", None
         elif not values_ok:
             return f"{why}: vLLM's kernel rounds a subset of the head otherwise", None
@@ -474,7 +473,7 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
         for plan, rows in groups.items():
             idx = torch.tensor(rows, dtype=torch.long, device=H.device)
             Hg = H if len(rows) == N else H[idx]
-            moved, moved_why = 0, ""  # rows a check after the certificate hands to vLLM's own head
+            moved: Counter = Counter()  # rows a check after the certificate hands to vLLM's own head, by reason
             if plan.temperature == 0.0:
                 # after lowering steps: a wider set (stock's top-k_head, or its top-1 where that is over the budget),
                 # so that the processed winner is still in S (config.lowered_k; any set is sound)
@@ -484,8 +483,7 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                 res = head.topk(Hg, out_dtype=H.dtype, stock=rows_of(idx), **kw)
                 out[idx] = res.logits.to(H.dtype)
                 if process is not None:
-                    moved, moved_why = to_vllm(idx, _processed_unsure(res, idx, N, H.dtype, process)), \
-                        "processed near tie"
+                    moved["processed near tie"] = to_vllm(idx, _processed_unsure(res, idx, N, H.dtype, process))
             elif plan.values:
                 if subset is None:
                     raise ValueError("a plan that hands values to vLLM's sampler needs its subset kernel")
@@ -497,28 +495,24 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
                 x = res.logits.float() / T
                 kth = x.topk(plan.top_k, dim=1).values[:, -1]
                 open_ = ~((res.bound.float() / T) < kth) & (res.bound > float("-inf"))
-                moved, moved_why = to_vllm(idx, open_), "top-k boundary"
+                moved["top-k boundary"] = to_vllm(idx, open_)
                 # min-p and top-p after it act on the padded row as on stock's unless a token sits at their cut
                 # (vLLM's sort orders equal values by the whole row)
                 live = (res.bound > float("-inf")) & ~open_  # rows still on hf_csv's values
-                cut = torch.zeros_like(live)
                 if (plan.top_p < 1.0 or plan.min_p > 0.0) and bool(live.any()):
+                    cut = torch.zeros_like(live)
                     cut[live] = sampler_boundary_unsure(x[live], plan.top_k, plan.top_p, plan.min_p)
-                if bool(cut.any()):
-                    n_cut = to_vllm(idx, cut)
-                    counts["reasons"]["top-p or min-p boundary"] += n_cut
-                    counts["certified"] -= n_cut
-                    counts["stock_rows"] += n_cut
+                    moved["top-p or min-p boundary"] = to_vllm(idx, cut)
             else:
                 res = head.sample(Hg, temperature=plan.temperature, top_k=plan.top_k, out_dtype=H.dtype,
                                   stock=rows_of(idx))
                 out[idx, res.tokens] = 0.0
             st = res.stats
-            counts["certified"] += st.certified - moved
+            n_moved = sum(moved.values())
+            counts["certified"] += st.certified - n_moved
             counts["sampled"] += st.certified if plan.temperature and not plan.values else 0
-            counts["stock_rows"] += st.fallback + moved
-            if moved:
-                counts["reasons"][moved_why] += moved
+            counts["stock_rows"] += st.fallback + n_moved
+            counts["reasons"].update(+moved)  # (reasons that moved no row are left out)
             near = min(max(st.near_ties, 0), st.fallback)
             if near:
                 counts["reasons"]["near tie"] += near
