@@ -1181,8 +1181,9 @@ def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1
     alignment), gives every row's own columns bit for bit as the full call ``F.linear(H, W)`` does, on random h and
     random candidate sets (``draws`` of them), measured eagerly under the current setting. A sampled compiled head
     hands these values to stock's sampler, which no proof covers (docs/certificates.md §2.0): where this probe fails,
-    the call takes the full head. Limits: eager ops, not inductor's (whose CPU lowering of this matmul calls the same
-    BLAS GEMM)."""
+    the call takes the full head. Limits: eager ops. Inductor's default CPU lowering of this matmul calls the same BLAS
+    GEMM (``extern_kernels.mm``); max-autotune and backends other than inductor or eager are declined before this
+    probe (``hf_csv.scope._graph_gemm_reason``)."""
     V, d = weight.shape
     C = min(int(capacity), V)
     g = torch.Generator().manual_seed(0)

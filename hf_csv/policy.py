@@ -525,7 +525,7 @@ _STATIC_LOWER = {"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsPr
 _SAMPLED_CAPACITY = 40
 
 
-def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
+def decide_compiled(session: CSVSession, batch: Optional[int] = None, gemm_reason: Optional[str] = None) -> Any:
     """The plan of a call whose decode steps transformers runs through a compiled forward (static cache).
 
     Inside a compiled graph no per-step Python runs: no stash for :class:`CSVLogitsProcessor`'s check, no
@@ -535,6 +535,10 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
     later warper and the sampler see stock's vector); no lowering processor other than Whisper's suppress lists
     before the top-k, an identity post-head map, a screen head without a bias. Every other call uses the full head
     (in the graph and out of it), with the reason logged. Returns the plan, or ``None`` after ``set_full``.
+
+    ``gemm_reason``: why the graph's GEMM may round otherwise than eager BLAS (``hf_csv.scope._graph_gemm_reason``:
+    max-autotune, a backend other than inductor or eager); a sampled call hands the graph's values to stock's
+    sampler, so it then takes the full head (greedy calls are decided within the values' slack and keep the head).
 
     Speed: a compiled step cannot be timed, so where the head's speed guard has measured the full head faster on
     this call's eager steps (the prefill, same mode and ``batch`` rows), the graph gets stock's head while the
@@ -570,6 +574,8 @@ def decide_compiled(session: CSVSession, batch: Optional[int] = None) -> Any:
         why = "the compiled head needs the int8 screen (provider='screen', screen_quant='int8')"
     elif getattr(ch, "bias", None) is not None:
         why = "a head with a bias"
+    elif sampled and gemm_reason is not None:
+        why = f"top-k sampling under {gemm_reason}, whose GEMM on the gathered candidate rows is not the one probed"
     elif sampled and getattr(ch, "subset_kernel", lambda probe=False: None)(probe=True) != "gathered":
         # the graph computes S's values on gathered rows: they are stock's only where the probe, run now under this
         # call's setting, found the gathered kernel matching the full call (docs/certificates.md §2.0); elsewhere

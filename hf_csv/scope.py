@@ -168,7 +168,8 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
         res = orig(*args, **kwargs)
         if res:
             sess = active_session(model)
-            plan = None if sess is None else decide_compiled(sess, _batch_of(args, kwargs))
+            plan = None if sess is None else decide_compiled(sess, _batch_of(args, kwargs),
+                                                             gemm_reason=_graph_gemm_reason(args, kwargs))
             installed = set_static_plan(model, plan, own=sess is not None)
             if sess is not None and plan is not None and not installed:
                 sess.set_full("torch.compile (static cache) while another generate call is active on this model: "
@@ -179,6 +180,32 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
         return res
 
     return _valid_auto_compile_criteria
+
+
+_EAGER_BACKENDS = ("eager", "aot_eager")  # graphs that run torch's own ops: the eager BLAS call
+
+
+def _graph_gemm_reason(args: tuple, kwargs: dict) -> Optional[str]:
+    """Why the compiled graph's GEMM on gathered candidate rows may round otherwise than the eager call that
+    :meth:`~hf_csv.certificate.CertifiedHead.graph_gather_exact` probes, or ``None``. Inductor's default CPU lowering
+    of that matmul calls the same BLAS GEMM (``extern_kernels.mm``); under max-autotune it may pick its own C++ GEMM
+    template, and another backend lowers it as it likes. Read from the call's ``compile_config`` (the second argument
+    of ``_valid_auto_compile_criteria(model_kwargs, generation_config)``) and inductor's global config."""
+    gc = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    cc = getattr(gc, "compile_config", None)
+    backend = getattr(cc, "backend", "inductor")
+    if backend in _EAGER_BACKENDS:
+        return None
+    if backend != "inductor":
+        return f"the compile backend {backend!r}"
+    from torch._inductor import config as inductor_config
+
+    mode = getattr(cc, "mode", None) or ""
+    options = getattr(cc, "options", None) or {}
+    if "max-autotune" in mode or any(options.get(k) or getattr(inductor_config, k, False)
+                                     for k in ("max_autotune", "max_autotune_gemm")):
+        return "inductor's max-autotune (its own GEMM kernels)"
+    return None
 
 
 def _batch_of(args: tuple, kwargs: dict) -> Optional[int]:

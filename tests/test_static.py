@@ -426,3 +426,53 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
         assert m.csv_last_stats["compiled_head"]["rows"] > 0
     finally:
         entry.guard = None
+
+
+def _eager_backend(gm, example_inputs):
+    """A compile backend that runs the traced graph's own ops: a backend hf_csv does not know."""
+    return gm.forward
+
+
+def test_graph_gemm_reason_reads_the_calls_compile_config(monkeypatch):
+    """A sampled compiled head hands the graph's values on S to stock's sampler; only inductor's default lowering
+    (the eager BLAS GEMM that ``graph_gather_exact`` probes) or an eager backend keeps that probe meaningful."""
+    from torch._inductor import config as inductor_config
+    from hf_csv.scope import _graph_gemm_reason
+
+    def reason(**cc) -> "str | None":
+        gc = tf.GenerationConfig(compile_config=CompileConfig(**cc))
+        return _graph_gemm_reason(({}, gc), {})
+
+    assert reason() is None and reason(mode="default") is None and reason(backend="aot_eager") is None
+    assert _graph_gemm_reason(({},), {"generation_config": tf.GenerationConfig()}) is None  # no compile_config
+    assert "max-autotune" in reason(mode="max-autotune-no-cudagraphs")
+    assert "max-autotune" in reason(options={"max_autotune_gemm": True})
+    assert "_eager_backend" in reason(backend=_eager_backend)
+    monkeypatch.setattr(inductor_config, "max_autotune", True)
+    assert "max-autotune" in reason(mode="default")
+    assert reason(backend="eager") is None  # no inductor lowering at all
+
+
+def test_compiled_sampling_under_another_gemm_lowering_uses_the_stock_head():
+    """Sampling through a backend whose GEMM lowering hf_csv has not probed: the full head, with the reason, and
+    stock's tokens; greedy decoding (decided within the values' slack) keeps the static certified head."""
+    torch._dynamo.reset()
+    m = _tiny("llama", seed=5)
+    x = _inputs(m)
+
+    def run(csv: bool, do_sample: bool = False, **kw):
+        torch.manual_seed(0)
+        kw = {**_compile_kw(**kw), "do_sample": do_sample}
+        kw["compile_config"].backend = _eager_backend
+        return m.generate(**x, csv_config=CSVConfig(), **kw) if csv else m.generate(**x, **kw)
+
+    ref = run(False, max_new_tokens=6, do_sample=True, top_k=20, temperature=0.8)
+    got = run(True, max_new_tokens=6, do_sample=True, top_k=20, temperature=0.8)
+    st = m.csv_last_stats
+    assert torch.equal(ref, got)
+    assert st["mode"] == "full" and any("torch.compile" in r and "_eager_backend" in r for r in st["reasons"]), st
+    ref = run(False, max_new_tokens=6)
+    got = run(True, max_new_tokens=6)
+    st = m.csv_last_stats
+    assert torch.equal(ref, got)
+    assert st["mode"] == "topk" and st["compiled_head"]["certified"] > 0, st
