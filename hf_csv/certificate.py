@@ -212,7 +212,8 @@ class CertifiedHead:
     # ------------------------------------------------- the value assumption
     def subset_exact(self) -> bool:
         """Whether a kernel of this process computed every column subset probed bit for bit as the full call does
-        (``F.linear`` on gathered rows of W, else on the aligned 64-row blocks that hold them, against the full
+        (``F.linear`` on gathered rows of W, else on the aligned blocks of 8, 16, 32 or 64 rows that hold them, the
+        smallest that matches, against the full
         ``F.linear``). Paths that hand the values on S to stock's own sampler, verify or score outputs need that
         property, which no proof gives (docs/certificates.md §2.0): where neither kernel matches, those paths use the
         full head; greedy decisions and hf_csv's own draws never need it (they are decided within the values' slack).
@@ -224,9 +225,10 @@ class CertifiedHead:
 
     def subset_kernel(self, probe: bool = False, rows: Optional[int] = None) -> Optional[str]:
         """The probed subset kernel's name for the current setting and ``rows`` rows of h (``"gathered"``,
-        ``"blocked"``), ``None`` where none matched or (``probe=False``) where no probe ran yet for them. A row count
-        other than the probe's own (1, 3, 16) gets its own probe on that many rows (a GEMM may round by its row
-        count), once per setting: a call's first row count of a kind pays one full call and the probed subsets."""
+        ``"blocked8"`` … ``"blocked64"``), ``None`` where none matched or (``probe=False``) where no probe ran yet
+        for them. A row count other than the probe's own (1, 3, 16) gets its own probe on that many rows (a GEMM may
+        round by its row count), once per setting: a call's first row count of a kind pays one full call and the
+        probed subsets."""
         extra = () if rows is None or rows in PROBE_ROWS else (int(rows),)
         key = subset_probe_key() + extra
         if key not in self._subset_probe and probe:
@@ -333,7 +335,7 @@ class CertifiedHead:
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
         all rows and the union of the candidate columns (on the aligned row blocks that hold them where
-        :meth:`subset_kernel` picked ``"blocked"``); otherwise the exact fp32 recompute, rounded to ``value_dtype``.
+        :meth:`subset_kernel` picked a ``"blocked…"`` kernel); otherwise the exact fp32 recompute, rounded to ``value_dtype``.
 
         These are *not* assumed to be stock's values (a BLAS may sum a column subset in another order than the full
         call: MKL's AVX-512 path does). With ``with_slack`` returns ``(vals, acc, slack)``: ``acc`` our fp32
@@ -1071,9 +1073,11 @@ def _f32_up_n(x: torch.Tensor, n: int = 1) -> torch.Tensor:
     return x
 
 
-# Rows per block of the blocked subset kernel: a multiple of every row-block width a GEMV/GEMM kernel of the hosts
-# measured uses for its main loop (docs/certificates.md §2.0, "Where it was checked").
-SUBSET_BLOCK = 64
+# Rows per block of the blocked subset kernels, smallest first: the probe takes the first that matches the full call,
+# since a candidate costs its whole block of rows (docs/certificates.md §2.0; the counts per block: docs/benchmarks.md,
+# "Value slack"). 64 is a multiple of every row-block width a GEMV/GEMM kernel of the hosts measured uses.
+SUBSET_BLOCKS = (8, 16, 32, 64)
+SUBSET_BLOCK = SUBSET_BLOCKS[-1]
 PROBE_SIZES = (1, 2, 3, 5, 7, 8, 16, 17, 33, 64, 96, 129, 257)  # column-subset sizes the probe tries
 PROBE_ROWS = (1, 3, 16)  # rows of h: a GEMV, a small GEMM, a batched step's GEMM (and the call's own count)
 
@@ -1147,8 +1151,15 @@ def blocked_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], block: in
     return kernel
 
 
+def _blocked(block: int) -> Callable[[torch.Tensor, Optional[torch.Tensor]], SubsetFn]:
+    def make(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> SubsetFn:
+        return blocked_kernel(weight, bias, block)
+    return make
+
+
+# in the probe's order, cheapest first: the gathered rows of S, then aligned blocks of 8, 16, 32 and 64 rows
 SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], SubsetFn]] = {
-    "gathered": gathered_kernel, "blocked": blocked_kernel}
+    "gathered": gathered_kernel, **{f"blocked{b}": _blocked(b) for b in SUBSET_BLOCKS}}
 
 
 def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
@@ -1199,8 +1210,9 @@ def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1
 
 
 def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple = PROBE_ROWS) -> Optional[str]:
-    """The first of :data:`SUBSET_KERNELS` (gathered, then blocked) that computed every probed column subset as the
-    full call does, bit for bit, for ``rows`` rows of h; ``None`` where none did."""
+    """The first of :data:`SUBSET_KERNELS` (gathered, then blocks of 8, 16, 32 and 64 rows: the cheapest first) that
+    computed every probed column subset as the full call does, bit for bit, for ``rows`` rows of h; ``None`` where none
+    did. A kernel that fails stops at its first differing subset, so the ladder costs little more than its winner."""
     for name, make in SUBSET_KERNELS.items():
         if subset_mismatches(weight, bias, make(weight, bias), rows=rows) == 0:
             return name

@@ -469,7 +469,7 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
     from hf_csv import certificate as C
 
     W = torch.randn(300, 16)
-    assert C.probe_subset_kernel(W, None) in (None, "gathered", "blocked")  # this host's answer, whichever it is
+    assert C.probe_subset_kernel(W, None) in (None, *C.SUBSET_KERNELS)  # this host's answer, whichever it is
     real = F.linear
 
     def nudged(h, w, b=None):
@@ -592,24 +592,30 @@ def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
     assert C.subset_probe_key()[-2] == torch.get_float32_matmul_precision()
 
 
+def _shape_free_linear(h, w, b=None):
+    """F.linear whose value of each entry does not depend on the call's shape: fp64 products of fp32 inputs are exact
+    and a 32-term fp64 sum is far inside one fp32 rounding step, so the fakes below are the only shape effect (this
+    host's own BLAS rounds small calls by their size: tiny heads fail the smaller blocks for real)."""
+    out = h.double() @ w.double().T
+    return (out if b is None else out + b.double()).float()
+
+
 def _block_rounding(monkeypatch, W):
     """F.linear as a BLAS whose rounding of a row depends on its place in a row block of 8 (MKL on host D, docs/
     certificates.md §2.0): a call whose row count is not a multiple of 8 (nor V) is one ulp off."""
-    import torch.nn.functional as F
     from hf_csv import certificate as C
 
-    real = F.linear
-
     def blocky(h, w, b=None):
-        out = real(h, w, b)
+        out = _shape_free_linear(h, w, b)
         ok = w.shape[0] == W.shape[0] or w.shape[0] % 8 == 0
         return out if ok else torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(C.F, "linear", blocky)
 
 
+@pytest.mark.parametrize("block", [8, 16, 64])
 @pytest.mark.parametrize("V", [300, 256, 1000])
-def test_blocked_subset_kernel_returns_the_full_calls_columns(V):
+def test_blocked_subset_kernel_returns_the_full_calls_columns(V, block):
     """The blocked kernel picks each requested column from its aligned block (the cut last block included), in the
     requested order, duplicates too: integer weights and inputs make every dot product exact, so any kernel's value is
     the full call's and only the indexing is tested."""
@@ -620,7 +626,7 @@ def test_blocked_subset_kernel_returns_the_full_calls_columns(V):
     b = torch.randint(-5, 6, (V,), generator=g).float()
     H = torch.randint(-2, 3, (3, 24), generator=g).float()
     full = torch.nn.functional.linear(H, W, b)
-    k = C.blocked_kernel(W, b)
+    k = C.blocked_kernel(W, b, block)
     for cols in (torch.tensor([V - 1]), torch.tensor([0, V - 1, 5, 5]), torch.randperm(V, generator=g)[:40],
                  torch.arange(V)):
         assert torch.equal(k(H, cols), full[:, cols])
@@ -650,15 +656,48 @@ def test_probe_picks_the_blocked_kernel_and_the_values_use_it(monkeypatch):
     W = torch.randn(V, 32)
     _block_rounding(monkeypatch, W)
     assert C.subset_mismatches(W, None, C.gathered_kernel(W, None)) == 1
-    assert C.probe_subset_kernel(W, None) == "blocked"
+    assert C.probe_subset_kernel(W, None) == "blocked8"  # the smallest block that keeps each row's place
     head = hf_csv.CertifiedHead(W)
-    assert head.subset_kernel() is None and head.subset_exact() and head.subset_kernel() == "blocked"
+    assert head.subset_kernel() is None and head.subset_exact() and head.subset_kernel() == "blocked8"
     H = torch.randn(2, 32)
     full = C.F.linear(H, W)
     r = torch.tensor([0, 0, 0, 1, 1])
     t = torch.tensor([3, 999, 500, 998, 3])
     vals = head._values(r, t, H, H, torch.float32)
     assert torch.equal(vals, full[r, t])
+
+
+@pytest.mark.parametrize("period", [16, 32, 64])
+def test_probe_takes_the_smallest_block_that_keeps_each_rows_place(monkeypatch, period):
+    """A BLAS whose rounding of a row depends on the row's place modulo ``period`` in the call: the blocks smaller
+    than the period move rows to other places and must fail the probe; the first block that is a multiple of it
+    passes, and the values handed on are the full call's bits. Each row of W carries its own index in column 0 (exact
+    small integers), so the fake sees where each row sits."""
+    from hf_csv import certificate as C
+
+    torch.manual_seed(period)
+    V = 1024
+    W = torch.randn(V, 32)
+    W[:, 0] = torch.arange(V, dtype=torch.float32)
+
+    def by_place(h, w, b=None):
+        out = _shape_free_linear(h, w, b)
+        moved = (w[:, 0].round().long() - torch.arange(w.shape[0])) % period != 0  # a row off its place
+        return torch.where(moved, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+
+    monkeypatch.setattr(C.F, "linear", by_place)
+    want = f"blocked{period}"
+    assert C.probe_subset_kernel(W, None) == want
+    for name, make in C.SUBSET_KERNELS.items():  # every smaller kernel is caught, every larger one passes
+        bad = C.subset_mismatches(W, None, make(W, None))
+        assert bad == (0 if name.startswith("blocked") and int(name[7:]) % period == 0 else 1), name
+    head = hf_csv.CertifiedHead(W)
+    assert head.subset_exact() and head.subset_kernel() == want
+    H = torch.randn(3, 32)
+    full = by_place(H, W)
+    r = torch.tensor([0, 0, 1, 2, 2])
+    t = torch.tensor([3, 1023, 500, 17, 640])
+    assert torch.equal(head._values(r, t, H, H, torch.float32), full[r, t])
 
 
 def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkeypatch):
@@ -669,7 +708,7 @@ def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkey
     from hf_csv import policy
     from hf_csv.certificate import CertifiedHead
 
-    monkeypatch.setattr(CertifiedHead, "subset_kernel", lambda self, probe=False: "blocked")
+    monkeypatch.setattr(CertifiedHead, "subset_kernel", lambda self, probe=False: "blocked64")
     seen = {}
 
     class Sess(SimpleNamespace):
