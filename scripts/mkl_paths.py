@@ -4,6 +4,7 @@
     python scripts/mkl_paths.py            # prints "<setting>: <hash>" for the default, AVX2, AVX and SSE4_2
     python scripts/mkl_paths.py --subsets  # one JSON line per setting (default, AVX512, AVX2, SSE4_2): the kernel
                                            # the column-subset probe picks and how many probed subsets differ
+    python scripts/mkl_paths.py --subsets --model $M/whisper-base ...  # the same on those models' real heads too
 
 Each setting runs in its own process (MKL reads the variable once) and hashes 30 fp32 products: full GEMVs and
 GEMMs of 5 head shapes and column subsets of them (tails, blocks, a random subset of 97 rows), the operations whose
@@ -13,11 +14,12 @@ AVX2 and SSE4_2 besides the default).
 
 ``--subsets``: the plans that hand the values on S to stock's own sampler, verify or score outputs need a column
 subset of the head computed bit for bit as the full call does (docs/certificates.md §2.0); ``CertifiedHead.subset_exact``
-probes two kernels for it once per head and setting (``F.linear`` on the gathered rows, then on the aligned 64-row
-blocks that hold them), and where neither matches those plans run the full head. Per setting and random head (the
-shapes of a small test head, SmolLM2, whisper-base and Qwen2.5), the kernel the probe picks and, for each kernel, how
-many of the probe's 117 subsets (1 to 257 columns, random, the tail and a block; 1, 3 and 16 rows) differ from the
-full call.
+probes its kernels for it once per head and setting (``F.linear`` on the gathered rows, then on the aligned blocks
+of 8, 16, 32 and 64 rows that hold them: the first that matches), and where none matches those plans run the full
+head. Per setting and random head (the shapes of a small test head, SmolLM2, whisper-base and Qwen2.5), and per
+``--model`` on its real output head as loaded (its address modulo 64 bytes beside it), the kernel the probe picks
+and, for each kernel, how many of the probe's 117 subsets (1 to 257 columns, random, the tail and a block; 1, 3 and
+16 rows) differ from the full call.
 """
 from __future__ import annotations
 
@@ -54,14 +56,23 @@ def _subsets() -> str:
     def nowhere(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # differs on every subset: counts them
         return torch.full((H.shape[0], cols.numel()), float("nan"))
 
+    def counts(W: torch.Tensor) -> dict:  # the package's own probe, counted to the end for each kernel, and its pick
+        return {"kernel": probe_subset_kernel(W, None),
+                **{f"{name}_differing": subset_mismatches(W, None, make(W, None), first=False)
+                   for name, make in SUBSET_KERNELS.items()}}
+
     torch.manual_seed(0)
     res = {}
     for V, d in [(4099, 64), (49152, 576), (51865, 512), (151936, 896)]:
         W = torch.randn(V, d)
-        # the package's own probe, counted to the end for each kernel, and the kernel it picks
-        res[f"{V}x{d}"] = {"kernel": probe_subset_kernel(W, None),
-                           **{f"{name}_differing": subset_mismatches(W, None, make(W, None), first=False)
-                              for name, make in SUBSET_KERNELS.items()}}
+        res[f"{V}x{d}"] = counts(W)
+    for path in filter(None, os.environ.get("HF_CSV_SUBSET_MODELS", "").split(os.pathsep)):
+        import transformers as tf
+
+        whisper = tf.AutoConfig.from_pretrained(path).model_type == "whisper"
+        auto = tf.AutoModelForSpeechSeq2Seq if whisper else tf.AutoModelForCausalLM
+        W = auto.from_pretrained(path, dtype=torch.float32).get_output_embeddings().weight.detach()
+        res[Path(path).name] = {"shape": list(W.shape), "address_mod_64": W.data_ptr() % 64, **counts(W)}
     return json.dumps({"MKL_ENABLE_INSTRUCTIONS": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "default"),
                        "threads": torch.get_num_threads(), "subsets": subset_mismatches(W, None, nowhere, first=False), **res})
 
@@ -81,6 +92,8 @@ def main() -> None:
         print(_subsets() if sys.argv[-1] == "subsets" else _digest())
         return
     if "--subsets" in sys.argv:
+        models = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--model"]
+        os.environ["HF_CSV_SUBSET_MODELS"] = os.pathsep.join(models)
         for isa in ("", "AVX512", "AVX2", "SSE4_2"):
             print(_in_child(isa, "subsets"))
         return
