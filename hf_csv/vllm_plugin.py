@@ -77,7 +77,7 @@ from .speed import SpeedGuard
 logger = logging.getLogger(__name__)
 
 __all__ = ["register", "prebuild", "stats", "reset_stats", "worker_stats", "worker_reset_stats", "guard_summary", "batch_decline_reason", "row_plans", "head_decline_reason",
-           "RowPlan", "certify_batch", "sampler_boundary_unsure", "probe_subset_kernel", "PROBE_ROWS", "shard_summary", "combine_shards", "build_head"]
+           "RowPlan", "certify_batch", "sampler_boundary_unsure", "probe_subset_kernel", "engine_subset_kernel", "PROBE_ROWS", "shard_summary", "combine_shards", "build_head"]
 
 # the runner whose execute_model is on the stack (None outside it: prompt logprobs, the dummy sampler run)
 _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", default=None)
@@ -285,6 +285,25 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
             plans.append(RowPlan(t, k, True, float(top_p[i]) if top_p is not None else 1.0,
                                  float(min_p[i]) if min_p is not None else 0.0))
     return None, plans
+
+
+def engine_subset_kernel(W: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """vLLM's own CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``) on the rows ``cols`` of ``W``: [N, |cols|].
+    Fewer than ``_MIN_SUBSET`` rows are padded with other rows of W, since oneDNN takes another path for one output
+    column. Whether it equals vLLM's full call bit for bit is measured (:func:`probe_subset_kernel`), not assumed."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    n = W.shape[0]
+
+    def kernel(Hn: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        m = cols.numel()
+        if m < _MIN_SUBSET:
+            cols = torch.cat([cols, torch.arange(_MIN_SUBSET - m, device=cols.device) % n])
+        part = torch.nn.Module()
+        part.weight = torch.nn.Parameter(W[cols].contiguous(), requires_grad=False)
+        dispatch_cpu_unquantized_gemm(part, remove_weight=False)
+        return part.cpu_linear(Hn, part.weight, None)[:, :m]
+    return kernel
 
 
 def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -686,22 +705,12 @@ def _layer_class():
             computes them bit for bit as its full call (:func:`probe_subset_kernel`, once per weights, and once per
             batch size of ``rows`` rows), and vLLM's top-k / top-p is its PyTorch path (the one
             :func:`sampler_boundary_unsure` models; a Triton build's kernel is not checked: declined)."""
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
             key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
             if self._hf_csv_subset is None or self._hf_csv_subset[0] != key:
                 W = w.detach()[:n]
-
-                def kernel(Hn: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-                    m = cols.numel()
-                    if m < _MIN_SUBSET:  # oneDNN takes another path for one output column: pad with other rows
-                        cols = torch.cat([cols, torch.arange(_MIN_SUBSET - m, device=cols.device) % n])
-                    part = torch.nn.Module()
-                    part.weight = torch.nn.Parameter(W[cols].contiguous(), requires_grad=False)
-                    dispatch_cpu_unquantized_gemm(part, remove_weight=False)
-                    return part.cpu_linear(Hn, part.weight, None)[:, :m]
+                kernel = engine_subset_kernel(W)
 
                 def full(H: torch.Tensor) -> torch.Tensor:
                     return self._apply_head(lm_head, H, None)[:, :n]

@@ -25,30 +25,18 @@ from hf_csv.vllm_plugin import probe_subset_kernel as plugin_probe
 
 
 def _engine_gemm(W: torch.Tensor):
-    """The full call and the subset kernel the plugin probes: vLLM's CPU GEMM dispatch where vLLM is installed (as
-    ``_subset_kernel`` in hf_csv/vllm_plugin.py builds them), else ``F.linear``."""
+    """The full call and the subset kernel the plugin probes: vLLM's CPU GEMM dispatch where vLLM is installed (the
+    plugin's own :func:`hf_csv.vllm_plugin.engine_subset_kernel`), else ``F.linear``."""
     try:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     except ImportError:
         return (lambda H: F.linear(H, W)), (lambda H, cols: F.linear(H, W[cols])), "F.linear stand-in"
-    from hf_csv.vllm_plugin import _MIN_SUBSET
+    from hf_csv.vllm_plugin import engine_subset_kernel
 
-    def layer(weight: torch.Tensor) -> torch.nn.Module:
-        part = torch.nn.Module()
-        part.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
-        dispatch_cpu_unquantized_gemm(part, remove_weight=False)
-        return part
-
-    head = layer(W)
-
-    def kernel(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        m = cols.numel()
-        if m < _MIN_SUBSET:
-            cols = torch.cat([cols, torch.arange(_MIN_SUBSET - m) % W.shape[0]])
-        part = layer(W[cols])
-        return part.cpu_linear(H, part.weight, None)[:, :m]
-
-    return (lambda H: head.cpu_linear(H, head.weight, None)), kernel, "vLLM's GEMM"
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(W.contiguous(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return (lambda H: head.cpu_linear(H, head.weight, None)), engine_subset_kernel(W), "vLLM's GEMM"
 
 
 def main() -> None:
