@@ -222,10 +222,11 @@ def test_speed_guard_uses_the_full_head_where_it_is_faster(monkeypatch):
 
     monkeypatch.setattr(CH, "topk", slow_topk)
     m, ids = _tiny_llama()
-    ref = m.generate(ids, max_new_tokens=20, do_sample=False)
+    # (32 steps: the guard samples the certified head once it settled, after its first rows: CertifiedHead.settled)
+    ref = m.generate(ids, max_new_tokens=32, do_sample=False)
     hf_csv.enable(m)
     try:
-        out = m.generate(ids, max_new_tokens=20, do_sample=False, csv_config=hf_csv.CSVConfig())
+        out = m.generate(ids, max_new_tokens=32, do_sample=False, csv_config=hf_csv.CSVConfig())
         st = m.csv_last_stats
         assert torch.equal(out, ref)
         assert st["speed_guard"]["choice"] == "full", st
@@ -268,6 +269,50 @@ def test_speed_guard_counts_the_processor_step(monkeypatch, assume_subset_exact)
         assert torch.equal(out, ref)
         assert st["speed_guard"]["choice"] == "full", st
         assert st["full_head_calls"] >= 12 and st["speed_guard"]["certified_ms"] >= 20, st
+    finally:
+        hf_csv.disable(m)
+
+
+def test_speed_guard_judges_the_certified_head_once_settled(monkeypatch):
+    """The first certified calls carry one-off work (the screen's packing, its columns' re-choice from the first
+    rows: ``CertifiedHead.settled``). Made slow here, and stock's head made slower than a settled certified call,
+    the guard must judge the certified head by its settled calls: timing the first ones too put it on the full head
+    and probed the certified side only a few hundred calls later (SmolLM2's top-50 preset on host D)."""
+    import time as _time
+
+    import hf_csv
+    import hf_csv.speed as speed
+    from hf_csv.certificate import CertifiedHead
+
+    monkeypatch.setattr(speed, "MIN_WEIGHTS", 0)
+    calls = [0]
+    real_topk, real_settled = CertifiedHead.topk, CertifiedHead.settled
+
+    def topk(self, *a, **k):
+        calls[0] += 1
+        if calls[0] <= 6:
+            _time.sleep(0.03)  # the unsettled calls' one-off work
+        return real_topk(self, *a, **k)
+
+    monkeypatch.setattr(CertifiedHead, "topk", topk)
+    monkeypatch.setattr(CertifiedHead, "settled", lambda self: calls[0] >= 6 and real_settled(self))
+    m, ids = _tiny_llama()
+    real_fwd = m.lm_head.forward
+
+    def slow_head(x):
+        _time.sleep(0.006)  # stock's head: slower than a settled certified call, faster than an unsettled one
+        return real_fwd(x)
+
+    m.lm_head.forward = slow_head
+    gen = dict(max_new_tokens=24, do_sample=False)
+    ref = m.generate(ids, **gen)
+    hf_csv.enable(m)
+    try:
+        out = m.generate(ids, **gen, csv_config=hf_csv.CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(out, ref)
+        assert st["speed_guard"]["choice"] == "certified", st
+        assert st["speed_guard"]["certified_ms"] < 6, st  # no unsettled call among its samples
     finally:
         hf_csv.disable(m)
 
