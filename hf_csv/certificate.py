@@ -215,7 +215,7 @@ class CertifiedHead:
         (``F.linear`` on gathered rows of W, else on the aligned blocks of 8, 16, 32 or 64 rows that hold them, the
         smallest that matches, against the full
         ``F.linear``). Paths that hand the values on S to stock's own sampler, verify or score outputs need that
-        property, which no proof gives (docs/certificates.md §2.0): where neither kernel matches, those paths use the
+        property, which no proof gives (docs/certificates.md §2.0): where no kernel matches, those paths use the
         full head; greedy decisions and hf_csv's own draws never need it (they are decided within the values' slack).
         Probed once per head and per setting (:func:`subset_probe_key`: ``MKL_ENABLE_INSTRUCTIONS`` / ``MKL_CBWR``,
         thread count, fp32 matmul precision) and row count: subsets of 1 to 257 columns (random, the tail, a block),
@@ -338,7 +338,8 @@ class CertifiedHead:
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Logits at (r, t) as fp32 holding ``value_dtype`` values. In the weight dtype: stock's op on
         all rows and the union of the candidate columns (on the aligned row blocks that hold them where
-        :meth:`subset_kernel` picked a ``"blocked…"`` kernel); otherwise the exact fp32 recompute, rounded to ``value_dtype``.
+        :meth:`subset_kernel` picked a ``"blocked…"`` kernel); otherwise the exact fp32 recompute, rounded to
+        ``value_dtype``.
 
         These are *not* assumed to be stock's values (a BLAS may sum a column subset in another order than the full
         call: MKL's AVX-512 path does). With ``with_slack`` returns ``(vals, acc, slack)``: ``acc`` our fp32

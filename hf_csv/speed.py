@@ -27,7 +27,8 @@ the model body cost the same on both sides and are not timed.
 A certified call made before the head settled (``CertifiedHead.settled``: the screen's packing and its columns'
 re-choice from the first rows, one-off work that made such calls several times slower than the settled ones on
 SmolLM2's top-50 preset) is not a sample of either controller: the guard judged the certified head by them and kept
-the full head for a few hundred calls (``tests/test_speed.py::test_speed_guard_judges_the_certified_head_once_settled``).
+the full head for a few hundred calls
+(``tests/test_speed.py::test_speed_guard_judges_the_certified_head_once_settled``).
 
 A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least
 ``PRIOR_FULL_ROWS`` rows start on the full head (there stock's GEMM is compute-bound and efficient, while the
