@@ -25,7 +25,7 @@ top-p warper, whose sort over V is a V-wide cost of its own; docs/benchmarks.md 
 the model body cost the same on both sides and are not timed.
 
 A certified call made before the head settled (``CertifiedHead.settled``: the screen's packing and its columns'
-re-choice from the first rows, one-off work that made such calls several times slower than the settled ones on
+re-choice from the first rows, one-off work that made such calls up to several times slower than later ones on
 SmolLM2's top-50 preset) is not a sample of either controller: the guard judged the certified head by them and kept
 the full head for a few hundred calls
 (``tests/test_speed.py::test_speed_guard_judges_the_certified_head_once_settled``).
