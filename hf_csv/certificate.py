@@ -14,6 +14,7 @@ tokens or clusters. This module does not import transformers.
 """
 from __future__ import annotations
 
+import functools
 import math
 import logging
 import os
@@ -1157,15 +1158,9 @@ def blocked_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], block: in
     return kernel
 
 
-def _blocked(block: int) -> Callable[[torch.Tensor, Optional[torch.Tensor]], SubsetFn]:
-    def make(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> SubsetFn:
-        return blocked_kernel(weight, bias, block)
-    return make
-
-
 # in the probe's order, cheapest first: the gathered rows of S, then aligned blocks of 8, 16, 32 and 64 rows
 SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], SubsetFn]] = {
-    "gathered": gathered_kernel, **{f"blocked{b}": _blocked(b) for b in SUBSET_BLOCKS}}
+    "gathered": gathered_kernel, **{f"blocked{b}": functools.partial(blocked_kernel, block=b) for b in SUBSET_BLOCKS}}
 
 
 def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
@@ -1218,7 +1213,8 @@ def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1
 def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple = PROBE_ROWS) -> Optional[str]:
     """The first of :data:`SUBSET_KERNELS` (gathered, then blocks of 8, 16, 32 and 64 rows: the cheapest first) that
     computed every probed column subset as the full call does, bit for bit, for ``rows`` rows of h; ``None`` where none
-    did. A kernel that fails stops at its first differing subset, so the ladder costs little more than its winner."""
+    did. A kernel that fails stops at its first differing subset; the failing kernels before the winner still add to
+    the probe's cost (docs/benchmarks.md, "Value slack": Gemma-3's first probe 0.62 → 1.21 s on host D)."""
     for name, make in SUBSET_KERNELS.items():
         if subset_mismatches(weight, bias, make(weight, bias), rows=rows) == 0:
             return name
