@@ -357,8 +357,8 @@ def sampler_boundary_unsure(x: torch.Tensor, top_k: int, top_p: float = 1.0, min
 
     Why it is needed: vLLM's min-p normalises over the whole row (stock's and the padded row's sums differ, so
     their fp32 probabilities round differently), and its top-p sorts the row with an unstable sort, whose order
-    among equal values depends on the whole row (measured: 2 of 500 random bf16 rows kept another set at top-p
-    0.9). A row is sure when (docs/vllm.md, "min-p and top-p"):
+    among equal values depends on the whole row (how often that changes the set: docs/benchmarks.md §12,
+    "Exactness on the three models"). A row is sure when (docs/vllm.md, "min-p and top-p"):
 
     * min-p: every token of stock's top-k other than the maximum has ln(p_i / p_max) = x_i - max at least
       2^-20 (|x_i - max| + 16) away from ln(min_p) (the fp32 softmax, the subtraction and the product with min_p

@@ -495,7 +495,7 @@ def test_lowering_processors_before_top_k_widen_the_certified_set(wide_pair, mon
         assert equal
         assert narrow > 0, "the case must exercise re-runs with K = k"
         # batch 1: one re-run per re-run row; assisted verify calls re-run several positions of one head call, which
-        # share one stock GEMM (measured 180 re-runs, 177 GEMMs; one GEMM per re-run without the stash's cache)
+        # share one stock GEMM (without the stash's cache: one GEMM per re-run)
         assert narrow_gemms < narrow <= heads, (narrow_gemms, narrow, heads)
         wide, _, _, equal = run(*default)
         assert equal

@@ -28,7 +28,7 @@
    the team comes from the process's OpenMP runtime, which is torch's: loaded after torch, this library's
    libgomp.so.1 resolves to the copy torch already mapped. Its workers are the ones that just ran torch's last
    parallel op and still spin-wait for more (GOMP's default wait policy); threads of our own would compete with
-   them for the cores during that spin (measured: Gemma-3's screen 11.4 ms instead of 8.9 ms on 2 cores).
+   them for the cores during that spin (docs/kernels.md, "Threads").
    Otherwise POSIX threads; a thread that cannot be created just leaves its share to the others. */
 #ifdef _OPENMP
 #include <omp.h>
