@@ -115,9 +115,10 @@ _MASK_ONCE: dict = {}  # stock class -> its mask-once subclass (same name)
 def mask_once(p: LogitsProcessor) -> LogitsProcessor:
     """A copy of transformers' ``SuppressTokensLogitsProcessor`` ``p`` that takes its vocabulary mask once per call list
     instead of on every call. Stock's processor rebuilds the mask each time (``arange(V)`` and ``isin`` over the whole
-    vocabulary), and assisted decoding calls it for every drafted and verified position (docs/benchmarks.md §10.1). The mask is read off stock's own processor (its output on a row of zeros: −inf exactly
-    where it suppresses; a masking processor, ``hf_csv.plan.MASKS_ONLY``, whose mask comes from its settings alone,
-    not from the scores or the input ids), then applied as stock applies it, ``where(mask, −inf, scores)``: the same
+    vocabulary), and assisted decoding calls it for every drafted and verified position (docs/benchmarks.md §10.1).
+    The mask is read off stock's own processor (its output on a row of zeros: −inf exactly where it suppresses; a
+    masking processor, ``hf_csv.plan.MASKS_ONLY``, whose mask comes from its settings alone, not from the scores or
+    the input ids), then applied as stock applies it, ``where(mask, −inf, scores)``: the same
     scores bit for bit, in any dtype.
     The copy's class is a subclass with the same name (hf_csv.plan reads processors by class name); the caller's
     instance is untouched."""
