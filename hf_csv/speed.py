@@ -25,8 +25,8 @@ top-p warper, whose sort over V is a V-wide cost of its own; docs/benchmarks.md 
 the model body cost the same on both sides and are not timed.
 
 A certified call made before the head settled (``CertifiedHead.settled``: the screen's packing and its columns'
-re-choice from the first rows, one-off work that makes such calls slower than later ones: docs/benchmarks.md §9.7) is
-not a sample of either controller: judged by them, the guard kept the full head until its next probe
+re-choice from the first rows, one-off work that makes such calls slower than later ones: docs/benchmarks.md §9.5) is
+not a sample of either controller: judged by them, the guard kept the full head for hundreds of calls
 (``tests/test_speed.py::test_speed_guard_judges_the_certified_head_once_settled``).
 
 A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least

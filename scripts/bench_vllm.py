@@ -60,6 +60,10 @@ def offline(args) -> dict:
            "control": args.control,
            "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count(), "load_before": os.getloadavg(),
            "batches": {}}
+
+    def use(side: str) -> None:  # the plugin reads HF_CSV_VLLM per call; --control keeps both sides stock
+        os.environ["HF_CSV_VLLM"] = "0" if side == "stock" or args.control else "1"
+
     for b in args.batch:
         prompts = _prompts(b)
         kw = dict(temperature=args.sample, top_k=args.top_k) if args.sample else dict(temperature=0.0)
@@ -69,11 +73,11 @@ def offline(args) -> dict:
         toks = {}
         cert = {"rows": 0, "certified": 0, "sampled": 0}
         for side in ("stock", "hf_csv"):  # warm-up (the screen's build, the guard's first calls)
-            os.environ["HF_CSV_VLLM"] = "0" if side == "stock" or args.control else "1"
+            use(side)
             llm.generate(prompts, pn, use_tqdm=False)
         for r in range(args.runs):
             for side in (("stock", "hf_csv") if r % 2 == 0 else ("hf_csv", "stock")):
-                os.environ["HF_CSV_VLLM"] = "0" if side == "stock" or args.control else "1"
+                use(side)
                 vllm_plugin.reset_stats()
                 t0 = time.perf_counter()
                 llm.generate(prompts, p1, use_tqdm=False)

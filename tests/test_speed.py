@@ -277,7 +277,7 @@ def test_speed_guard_judges_the_certified_head_once_settled(monkeypatch):
     """The first certified calls carry one-off work (the screen's packing, its columns' re-choice from the first
     rows: ``CertifiedHead.settled``). Made slow here, and stock's head made slower than a settled certified call,
     the guard must judge the certified head by its settled calls: timing the first ones too put it on the full head
-    and probed the certified side only a few hundred calls later (docs/benchmarks.md §9.7)."""
+    and probed the certified side only a few hundred calls later (docs/benchmarks.md §9.5)."""
     import time as _time
 
     import hf_csv
