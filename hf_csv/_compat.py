@@ -10,8 +10,11 @@ hf_csv touches transformers at these documented points only (docs/processors.md)
   ``_update_finished_beams`` / ``_check_early_stop_heuristic`` (instance-level wrappers, ``beam_search="exact"``
   only, stock result first; hf_csv.beam replays stock's score arithmetic on the interval ends and checks its replay
   bit for bit against stock's result on every call, so a version whose bookkeeping differs raises instead of
-  certifying: 4.57 and 5.20–5.23 have the same helpers, keyword-called the same way);
+  certifying: 4.57 and 5.20–5.24 have the same helpers, keyword-called the same way; 5.24 changed only the
+  ``do_sample`` branch of ``_get_top_k_continuations``, which beam sampling takes and hf_csv declines);
 * the model's output head module (``lm_head`` / ``proj_out``) swapped for the call;
+* the model's forward keyword that carries the KV cache, read by a forward pre-hook (the positions a call feeds):
+  ``past_key_values`` up to 5.23, ``cache`` from 5.24 (which still takes the old name from callers, deprecated);
 * the module global ``transformers.generation.utils._speculative_sampling`` (assisted sampling).
 
 Each tested release series is listed in :data:`SUPPORTED` with what differs between them:
@@ -22,7 +25,9 @@ Each tested release series is listed in :data:`SUPPORTED` with what differs betw
 * where the candidate generator reads the draft schedule: 5.x from its own copy of the assistant's
   generation config, 4.57 from the assistant model's (shared) generation config, which hf_csv does not
   write, so there a schedule or confidence threshold passed to the main ``generate`` is not applied
-  (as in stock 4.57) and the call's stats say so.
+  (as in stock 4.57) and the call's stats say so;
+* the model forward's KV-cache keyword (:func:`cache_kwarg`): ``past_key_values`` up to 5.23, ``cache`` in 5.24.
+  A caller may pass its own cache to 5.24's ``generate`` under either name (:func:`caller_passed_cache`).
 
 On a version not listed, hf_csv imports and :func:`hf_csv.enable` works, but certified calls run
 the full head: it warns once and records the reason in the call's stats. ``HF_CSV_ALLOW_UNTESTED=1``
@@ -38,8 +43,8 @@ from typing import Optional
 
 from .errors import UnsupportedVersionError
 
-__all__ = ["Support", "SUPPORTED", "support", "unsupported_reason", "check_transformers_version", "generation_setting",
-           "speculative_gen_utils", "transformers_version"]
+__all__ = ["Support", "SUPPORTED", "CACHE_KWARGS", "cache_kwarg", "caller_passed_cache", "support", "unsupported_reason",
+           "check_transformers_version", "generation_setting", "speculative_gen_utils", "transformers_version"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +57,21 @@ class Support:
     # the candidate generator's own copy of the assistant's generation config (5.x), or None (4.57 reads
     # the schedule and the confidence threshold from ``assistant_model.generation_config``, a shared object)
     assistant_config_attr: Optional[str] = "assistant_generation_config"
+    # the keyword under which ``generate`` passes the KV cache to the model's forward (5.24 renamed it)
+    cache_kwarg: str = "past_key_values"
 
 
 _SPEC_5 = "assistant_ensemble_weight"
 _SPEC_457 = "is_done_candidate"
 
-#: tested series (CI runs the full suite on 5.23 and the exactness subset on 5.20 and 4.57)
+#: tested series (CI runs the full suite on 5.24 and the exactness subset on 5.23, 5.20 and 4.57)
 SUPPORTED: dict[tuple[int, int], Support] = {
     (4, 57): Support((4, 57), _SPEC_457, assistant_config_attr=None),
     **{(5, m): Support((5, m), _SPEC_5) for m in (20, 21, 22, 23)},
+    (5, 24): Support((5, 24), _SPEC_5, cache_kwarg="cache"),
 }
+#: every name a caller may pass its own KV cache under, to ``generate`` (5.24 takes both, the old one deprecated)
+CACHE_KWARGS = ("cache", "past_key_values")
 _SPEC_HEAD = ("candidate_input_ids", "candidate_logits", "candidate_length", "new_logits")
 
 
@@ -144,6 +154,24 @@ def speculative_gen_utils() -> tuple[object, Support]:
     if params != expected:
         raise UnsupportedVersionError(f"unexpected _speculative_sampling signature {params}; expected {expected}")
     return gen_utils, sup
+
+
+def cache_kwarg(version: Optional[str] = None) -> str:
+    """The keyword under which ``generate`` passes the KV cache to the model's forward on ``version`` (default: the
+    installed one). An untested version (whose calls take the full head unless ``HF_CSV_ALLOW_UNTESTED=1``) is read
+    from the installed ``prepare_inputs_for_generation``'s parameters."""
+    found = SUPPORTED.get(_parse(version or transformers_version()))
+    if found is not None:
+        return found.cache_kwarg
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def caller_passed_cache(kwargs: dict) -> bool:
+    """Whether a ``generate`` call brings its own KV cache, under either name (:data:`CACHE_KWARGS`)."""
+    return any(kwargs.get(name) is not None for name in CACHE_KWARGS)
 
 
 def generation_setting(generation_config: object, key: str) -> object:

@@ -113,7 +113,8 @@ class CSVSession:
     beam: BeamRecord = field(default_factory=lambda: BeamRecord())
     assist: AssistRecord = field(default_factory=lambda: AssistRecord())
     compiled: CompiledRecord = field(default_factory=lambda: CompiledRecord())
-    caller_cache: bool = False  # the caller passed its own past_key_values
+    caller_cache: bool = False  # the caller passed its own KV cache (``past_key_values``, or 5.24's ``cache``)
+    cache_kwarg: str = "past_key_values"  # the model forward's KV-cache keyword on this version (hf_csv._compat)
     own_draw: bool = False  # sampling through the head's own exact draw where stock's values on S cannot be had
     check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.processors._Prefix)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head

@@ -181,7 +181,7 @@ def track_length(module: nn.Module, args: tuple, kwargs: dict):
     if ids is None or kwargs.get("inputs_embeds") is not None or kwargs.get("decoder_inputs_embeds") is not None:
         sess.step.fed_total = None
         return None
-    pkv = kwargs.get("past_key_values")
+    pkv = kwargs.get(sess.cache_kwarg)  # (the version's keyword, set by the call: hf_csv._compat.cache_kwarg)
     try:
         past = int(pkv.get_seq_length()) if pkv is not None else 0
     except (AttributeError, TypeError):
