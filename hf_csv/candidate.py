@@ -36,7 +36,7 @@ from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
 from .head import CSVSession, find_head, row_totals
-from .plan import Bounded
+from .plan import Bounded, Full
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
 from .scope import certified, new_session
@@ -119,6 +119,8 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         sess = new_session(assistant, config)
         sess.draft = True
         sess.gumbel = main.gumbel
+        if main.gumbel is None and isinstance(main.plan, Full):  # a declined call returns stock's tokens
+            sess.assist.stock_drafts = main.reasons[0] if main.reasons else "the target's call is declined"
         if main.gumbel is not None and config.draft_head == "full" and sess.force_full is None:
             sess.force_full = "CSVConfig(draft_head='full'): the draft's coupled draw runs on the full head"
         with certified(assistant, sess), _coupled_confidence(gen, sess):

@@ -72,6 +72,9 @@ class AssistRecord:
     conf_last: Optional[float] = None  # the last drafted token's probability (the coupled confidence stop reads it)
     no_drafts: bool = False  # target: a round without drafts, stock samples from the row (the keyed draw makes it)
     user_settings: Optional[dict] = None  # the caller's assistant settings, applied to the candidate generator
+    # a draft session whose target call was declined (the target's reason): its drafts must be stock's draft's, so
+    # that the declined call returns stock's tokens (hf_csv.policy._decide_draft)
+    stock_drafts: Optional[str] = None
 
 
 @dataclass

@@ -487,7 +487,8 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     seed. Other sampled drafts: exact logits on a certified top-k set, and elsewhere
     -inf (with a top-k warper) or the screen's estimate (without one); the draft samples from exactly the
     logits it returns as candidate logits, which is all speculative sampling needs to stay lossless (the
-    target's verification is exact).
+    target's verification is exact). Those drafts are not stock's draws, so where the target's call is declined
+    (``session.assist.stock_drafts``: it must return stock's tokens) the draft takes the full head instead.
     """
     cfg = session.config
     lower = "lower" in kinds
@@ -509,6 +510,12 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     # re-runs a row with the full head if they leave nothing finite in it.
     topks = [i for i, p in enumerate(processors) if classify_processor(p) == "topk"]
     if top_k and top_k <= cfg.draft_top_k and _top_k_plan(session, list(processors), topks):
+        return session
+    if session.assist.stock_drafts is not None:
+        # the target's call is declined, so it returns stock's tokens: the drafts below have the exact law but not
+        # stock's draws, and stock's verify would then accept other tokens
+        session.set_full(f"sampled draft of a declined target call ({session.assist.stock_drafts}): only the checked "
+                         "top-k plan keeps stock's drafts")
         return session
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     # no top-k warper on the draft: its law is the whole softmax, whose tail outside the certified top-k the screen

@@ -38,7 +38,7 @@ from hf_csv_kernels.verify import (LossyVerifyWarning, VerifyResult, bounded_ver
 
 from ._compat import speculative_gen_utils
 from .errors import CSVError
-from .plan import Bounded, TopK
+from .plan import Bounded, Full, TopK
 
 __all__ = [
     "patch_speculative_sampling",
@@ -353,6 +353,11 @@ def _dispatch(
             and h.generator is None:
         # the target's checked top-K plan: its processed rows are stock's, and so are the draft's on the same plan
         # (hf_csv.policy): stock's own verify then draws stock's tokens from stock's random stream
+        valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
+            candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
+    elif h.mode == "exact" and sess is not None and isinstance(sess.plan, Full) and h.generator is None:
+        # a declined call returns stock's tokens: stock's verify on stock's rows draws from stock's random stream
+        # (hf_csv's exact verify has the same law but other draws); its drafts are stock's (hf_csv.policy._decide_draft)
         valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
             candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     else:

@@ -32,6 +32,7 @@ import math
 import os
 import random
 from collections import Counter
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -66,12 +67,14 @@ def _n_cases(config) -> int:
 
 
 # ------------------------------------------------------------------ tiny random models
-def _build(arch: str, seed: int) -> torch.nn.Module:
+def _build(arch: str, seed: int, vocab: Optional[int] = None) -> torch.nn.Module:
+    """A tiny random model; ``vocab`` overrides the drawn vocabulary size (the other draws stay as they were)."""
     import transformers as tf
 
     rng = random.Random(seed * 31 + ARCHS.index(arch))
     torch.manual_seed(seed)
-    vocab = rng.choice([97, 256, 512])
+    drawn = rng.choice([97, 256, 512])
+    vocab = drawn if vocab is None else vocab
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "whisper":
