@@ -969,8 +969,10 @@ def _cut(lo: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tenso
 
 def _cut_at(b: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Threshold t per row such that any token with upper bound U_i < t has a stock logit (rounded to d) <= b,
-    for a cap b that is a value of d (as fp32). Returns (t, b); rows where t or b is not finite get t = -inf,
-    b = inf (nothing certified).
+    for a cap b that is a value of d (as fp32). Returns (t, b); rows where t, b or the edge is not finite get
+    t = -inf, b = inf (nothing certified). An infinite edge is b = d's largest finite value: its successor in d is
+    +inf, and a stock logit above d's overflow threshold rounds to +inf > b, so no finite t caps it (a float16 head
+    whose seed logit overflows: those rows take the full head; docs/certificates.md §2.1).
 
     U_i < t <= edge − E gives x_i <= ℓ_i + E <= U_i + E < edge; in fp32, edge = succ(b), so x_i <= b; in d, edge
     is the midpoint between b and its successor in d, so round-to-nearest gives round_d(x_i) <= b (a value
@@ -982,7 +984,7 @@ def _cut_at(b: torch.Tensor, E: torch.Tensor, d: torch.dtype) -> tuple[torch.Ten
         bd = b.to(d)
         edge = (b + torch.nextafter(bd, torch.full_like(bd, float("inf"))).float()) / 2  # exact in fp32
     t = _down(edge - E, 2)
-    ok = torch.isfinite(t) & torch.isfinite(b)
+    ok = torch.isfinite(t) & torch.isfinite(b) & torch.isfinite(edge)
     return t.masked_fill(~ok, float("-inf")), b.masked_fill(~ok, float("inf"))
 
 

@@ -429,3 +429,43 @@ def test_prepare_packs_now_and_keeps_the_later_work_in_the_background():
     ra, rb = a.topk(H), b.topk(H)
     assert torch.equal(ra.logits.argmax(1), rb.logits.argmax(1))
     assert torch.equal(ra.logits.argmax(1), F.linear(H, W).argmax(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cut_at_the_largest_finite_value(dtype):
+    """A cap b at d's largest finite value: its successor in d is +inf, and a stock logit above d's overflow
+    threshold rounds to +inf > b, so no finite threshold caps the uncomputed tokens: the row gets no cut (t = -inf,
+    the full head). A cap below it keeps its cut."""
+    from hf_csv.certificate import _cut, _cut_at
+
+    top = torch.finfo(dtype).max
+    t, b = _cut_at(torch.tensor([top, 1000.0], dtype=torch.float32), torch.tensor([1.0, 1.0]), dtype)
+    assert t[0].item() == float("-inf") and b[0].item() == float("inf")
+    assert math.isfinite(t[1].item()) and b[1].item() == 1000.0
+    if dtype == torch.float16:  # a seed lower bound that overflows float16 (above 65,504): no cut either
+        t, b = _cut(torch.tensor([70000.0, 1000.0]), torch.tensor([1.0, 1.0]), dtype)
+        assert t[0].item() == float("-inf") and math.isfinite(t[1].item())
+
+
+def test_float16_logits_that_overflow_give_stocks_greedy_tokens():
+    """A float16 head whose largest logits reach and pass 65,504: stock's row holds +inf there and its argmax is the
+    first +inf. The cut used to take 65,504 as a bound on every uncomputed token and certify an empty set (token 0
+    in every step); now such rows take the full head, and rows below the overflow stay certified."""
+    import hf_csv
+    from hf_csv import CSVConfig
+
+    from conftest import _ids, tiny_llama
+
+    overflowed = certified = 0
+    for scale in (2e4, 6e4, 1.2e5, 3e5):
+        m = tiny_llama(vocab=2000, scale=scale).half()
+        m = hf_csv.enable(m)
+        x = _ids(batch=3, length=6, vocab=2000)
+        with torch.no_grad():
+            overflowed += int(torch.isinf(m(**x).logits[:, -1]).any(-1).sum())
+        ref = m.generate(**x, max_new_tokens=4, do_sample=False)
+        out = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig(stats=True),
+                         return_dict_in_generate=True)
+        assert torch.equal(ref, out.sequences), scale
+        certified += out.csv_stats["certified"]
+    assert overflowed > 0 and certified > 0, (overflowed, certified)  # (both kinds of row ran)

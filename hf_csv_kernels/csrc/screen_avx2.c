@@ -700,7 +700,9 @@ static int64_t top1_row(const void *W, int bf16, int64_t V, int64_t d, const flo
         edge = f_up(b);
     }
     const float t = f_down(f_down(edge - E));
-    if (!isfinite(t) || !isfinite(b)) return -3;
+    /* an infinite edge: b is the dtype's largest finite value, whose successor is +inf; no finite t caps a logit
+       that rounds to +inf (the torch path's _cut_at declines the row too) */
+    if (!isfinite(t) || !isfinite(b) || !isfinite(edge)) return -3;
     /* S = {i : U_i >= t} (NaN compares false, as in torch) */
     if (limit > V - 1) limit = V - 1;  /* a row holding every token is the torch path's (its bound is -inf) */
     int64_t n = 0, i = 0;
