@@ -53,7 +53,8 @@ Touch points (all installed by :func:`register`, once per process; ``VLLM_PLUGIN
 installs none): vLLM's supported out-of-tree layer swap ``LogitsProcessor.register_oot``, a wrapper of
 ``GPUModelRunner.execute_model`` (the CPU runner inherits it) that lets the head read the step's sampling metadata
 while the runner computes that step's logits, and a wrapper of the runners' ``load_model`` that builds the screen
-after the weights load. Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
+after the weights load and wraps the loaded model instance's ``load_weights`` (an in-place reload then invalidates the
+screen: :func:`weight_key`). Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
 """
 from __future__ import annotations
 
@@ -596,6 +597,36 @@ def build_head(weight: torch.Tensor, artifact: Optional[str] = None) -> Certifie
 _UNSEEN = object()
 
 
+# bumped after every ``load_weights`` call on a served model (_loads_wrapper): vLLM writes reloaded weights into the
+# same storage, through ``.data`` (no version counter bump), so a load is what tells a screen it may be stale
+_LOADS = [0]
+
+
+def weight_key(w: torch.Tensor, rows: int) -> tuple:
+    """What must be unchanged for a screen (or a subset-kernel probe) of the head's first ``rows`` rows to stay
+    valid: storage, shape, dtype, the version counter (bumped by an in-place write such as a kernel-format reload's
+    ``param.copy_``) and the count of ``load_weights`` calls since the model was loaded (vLLM's ``reload_weights``,
+    or a weight sync that calls the model's ``load_weights``, copies the new weights into the same storage through
+    ``.data``: without it the old head's screen would certify the new head's rows). Writes that take neither path
+    (a caller's own ``.data`` edit) are not seen: rebuild the engine then. An inference tensor has no counter."""
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor
+        version = None
+    return (w.data_ptr(), tuple(w.shape), w.dtype, rows, version, _LOADS[0])
+
+
+def _loads_wrapper(load_weights):
+    @functools.wraps(load_weights)
+    def load_weights_with_hf_csv(*args, **kwargs):
+        try:
+            return load_weights(*args, **kwargs)
+        finally:
+            _LOADS[0] += 1  # (also after a failed load: it may have written some weights)
+    load_weights_with_hf_csv.__hf_csv_wrapped__ = load_weights
+    return load_weights_with_hf_csv
+
+
 def _max_rows() -> int:
     """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
     return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
@@ -617,6 +648,10 @@ def _load_wrapper(load_model):
     @functools.wraps(load_model)
     def load_model_with_hf_csv(self, *args, **kwargs):
         out = load_model(self, *args, **kwargs)
+        model = self.get_model() if hasattr(self, "get_model") else getattr(self, "model", None)
+        loader = getattr(model, "load_weights", None)
+        if callable(loader) and not hasattr(loader, "__hf_csv_wrapped__"):
+            model.load_weights = _loads_wrapper(loader)  # (this instance: later loads write the weights in place)
         if os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0":
             prebuild(getattr(self, "model", None))
         return out
@@ -673,8 +708,8 @@ def _layer_class():
         def _certified_head(self, lm_head) -> CertifiedHead:
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
-            key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
-            if self._hf_csv_key != key:  # weights (re)loaded: a new screen
+            key = weight_key(w, n)
+            if self._hf_csv_key != key:  # weights (re)loaded, also in place: a new screen
                 # (an artifact is built for the whole head: under tensor parallelism each rank packs its shard)
                 art = os.environ.get("HF_CSV_VLLM_ARTIFACT") if getattr(lm_head, "tp_size", 1) == 1 else None
                 self._hf_csv_head = build_head(w.detach()[:n], art or None)
@@ -707,7 +742,7 @@ def _layer_class():
             :func:`sampler_boundary_unsure` models; a Triton build's kernel is not checked: declined)."""
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
-            key = (w.data_ptr(), tuple(w.shape), w.dtype, n)
+            key = weight_key(w, n)
             if self._hf_csv_subset is None or self._hf_csv_subset[0] != key:
                 W = w.detach()[:n]
                 kernel = engine_subset_kernel(W)

@@ -140,3 +140,50 @@ def test_lora_wrapper_calls_take_vllms_head():
 
     W, H = torch.randn(50, 8), torch.randn(2, 8)
     assert torch.equal(cls.forward(Wrapper(), W, H), H @ W.T + 1.0)
+
+
+def _untied_pair(tmp_path: Path) -> tuple:
+    """Two untied copies of SmolLM2-135M: the head is the embedding (the model itself), then its rows permuted (the
+    embedding unchanged): a head change no stale screen could hide."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = MODELS / "smollm2-135m"
+    sd = load_file(src / "model.safetensors")
+    E = sd["model.embed_tokens.weight"]
+    perm = torch.randperm(E.shape[0], generator=torch.Generator().manual_seed(0))
+    out = []
+    for name, head in (("untied", E.clone()), ("untied_new", E[perm].contiguous())):
+        dst = tmp_path / name
+        dst.mkdir()
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+                shutil.copy(f, dst / f.name)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(cfg))
+        save_file({**sd, "lm_head.weight": head}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        out.append(dst)
+    return tuple(out)
+
+
+def test_in_place_weight_reload_rebuilds_the_screen(tmp_path):
+    """vLLM's ``reload_weights`` writes the new weights into the head's storage through ``.data`` (no new pointer, no
+    version bump): the plugin's screen of the old head must not certify the new head's rows (it did: every prompt
+    differed, the rows counted certified). The plugin counts the model's ``load_weights`` calls in its key."""
+    if not (MODELS / "smollm2-135m" / "config.json").exists():
+        pytest.skip("smollm2-135m missing: python ../shared/models/prepare.py ci")
+    src, new = _untied_pair(tmp_path)
+    prompts = ROOT.parent / "shared" / "models" / "prompts.jsonl"
+    if not prompts.exists():
+        pytest.skip(f"{prompts} missing")
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_reload_worker.py"), str(src), str(new),
+                          str(prompts)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=900)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    assert line is not None, res.stderr[-3000:]
+    r = json.loads(line)
+    assert r["stock"] != r["before"]  # (the reload changed vLLM's own tokens)
+    assert r["plugin"] == r["stock"], r
+    assert r["stats"]["certified"] > 0, r["stats"]
