@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from hf_csv_kernels.quantize import NonFiniteWeightError
+
 from .certificate import CertStats
 from .config import CSVConfig
 from .head import CSVSession, find_head, head_entry, model_out_dtype, set_static_plan, swapped_head
@@ -44,10 +46,17 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
     post, why = post_head_of(model)
     on_cuda = cuda_reason(head.weight)  # decided before any screen is built (hf_csv.speed)
-    entry = None if offloaded or post is None or on_cuda else head_entry(head, config)
+    nonfinite = None
+    try:
+        entry = None if offloaded or post is None or on_cuda else head_entry(head, config)
+    except NonFiniteWeightError:  # (no screen is cached: a head repaired in place certifies again)
+        entry, nonfinite = None, ("the head's weights hold NaN or infinite values: no bound holds, stock's head "
+                                  "computes the call")
     sess = CSVSession(model=model, config=config, head=None if entry is None else entry.head, entry=entry,
                       out_dtype=model_out_dtype(model, head), post=post)
-    if offloaded:
+    if nonfinite is not None:
+        sess.force_full = nonfinite
+    elif offloaded:
         sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
                            "loaded only inside accelerate's hook")
     elif post is None:

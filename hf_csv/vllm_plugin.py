@@ -627,6 +627,16 @@ def _loads_wrapper(load_weights):
     return load_weights_with_hf_csv
 
 
+def _weights_finite(layer: Any, w: torch.Tensor) -> bool:
+    """Whether the head's weights are all finite (a NaN or infinite weight leaves no bound: vLLM's head then),
+    checked once per :func:`weight_key` of the head."""
+    key = weight_key(w, w.shape[0])
+    got = getattr(layer, "_hf_csv_finite", None)
+    if got is None or got[0] != key:
+        got = layer._hf_csv_finite = (key, bool(torch.isfinite(w).all()))
+    return got[1]
+
+
 def _max_rows() -> int:
     """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
     return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
@@ -875,6 +885,8 @@ def _layer_class():
             reason = self._hf_csv_head_why.get(hk, _UNSEEN)
             if reason is _UNSEEN:
                 reason = self._hf_csv_head_why[hk] = head_decline_reason(self, lm_head, hidden_states, embedding_bias)
+            if reason is None and not _weights_finite(self, lm_head.weight):
+                reason = "non-finite head weights"
             if reason is not None:
                 return vllms_head(reason)
             runner, sched = got

@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from .quantize import NonFiniteWeightError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "why_unavailable", "path", "runnable_paths", "simd_flags", "load_path", "PATHS", "screen_i8", "interleave",
@@ -526,7 +528,7 @@ def quantize_i8(weight: torch.Tensor, interleaved: bool = True, threads: Optiona
     rc = lib.hf_csv_quantize_i8(weight.data_ptr(), V, d, q.data_ptr(), _ptr(qi), scale.data_ptr(), err2.data_ptr(),
                                 l1q.data_ptr(), absl1.data_ptr(), max(1, n))
     if rc != 0:
-        raise ValueError("head weight contains non-finite values")
+        raise NonFiniteWeightError("head weight contains non-finite values")
     err_l2, l1, abs_l1 = _bounds_from_sums(err2, l1q, absl1, scale)
     return dict(q=q, qi=qi, scale=scale, err_l2=err_l2, l1=l1, abs_l1=abs_l1)
 

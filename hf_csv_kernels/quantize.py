@@ -21,9 +21,13 @@ import torch
 
 
 __all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "rows_from_codes", "unit_roundoff",
-           "gamma", "round_up_f32", "FP8_E4M3_MAX"]
+           "gamma", "round_up_f32", "FP8_E4M3_MAX", "NonFiniteWeightError"]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class NonFiniteWeightError(ValueError):
+    """A head weight is NaN or infinite: no row bound holds (the callers take the full head, with this reason)."""
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
@@ -202,7 +206,7 @@ def _quantize_chunk(weight, q, scale, out, lo, hi, work, wbuf, qdtype, qmax) -> 
     absw = torch.abs(w, out=a)
     amax = absw.amax(1)
     if not bool(torch.isfinite(amax).all()):
-        raise ValueError("head weight contains non-finite values")
+        raise NonFiniteWeightError("head weight contains non-finite values")
     sc = amax / qmax
     sc = torch.where(sc > 0, sc, torch.ones_like(sc))  # all-zero row: any scale is exact
     x = torch.div(w, sc[:, None], out=b)

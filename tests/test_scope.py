@@ -66,3 +66,31 @@ def test_head_restored_after_exception(llama):
     x = _ids()
     assert torch.equal(llama.generate(**x, max_new_tokens=4, do_sample=False),
                        tiny_llama(scale=20.0).generate(**x, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "fp16_overflow"])
+def test_a_head_with_non_finite_weights_takes_stocks_head_with_the_reason(bad):
+    """A NaN or infinite head weight leaves no bound: the call takes stock's head and says why (it raised a
+    ValueError while stock generated). A float16 cast that overflows a weight is the same case. Repaired in place, the
+    head certifies again (no screen was cached)."""
+    m = tiny_llama(vocab=2000, scale=20.0)
+    with torch.no_grad():
+        if bad == "fp16_overflow":
+            m.lm_head.weight[1999, 0] = 1e6  # above float16's 65,504
+            m = m.half()
+        else:
+            m.lm_head.weight[1999, 0] = float(bad)
+    m = hf_csv.enable(m)
+    x = _ids(batch=1, vocab=2000)
+    ref = m.generate(**x, max_new_tokens=4, do_sample=False)
+    out = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig(stats=True),
+                     return_dict_in_generate=True)
+    assert torch.equal(ref, out.sequences)
+    st = out.csv_stats
+    assert st["mode"] == "full" and "NaN or infinite" in st["reasons"][0], st["reasons"]
+    with torch.no_grad():
+        m.lm_head.weight[1999, 0] = 0.0
+    out = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig(stats=True),
+                     return_dict_in_generate=True)
+    assert out.csv_stats["certified"] > 0
+

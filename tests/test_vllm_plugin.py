@@ -582,3 +582,19 @@ def test_the_plugins_guard_gives_a_draw_to_vllms_head():
         c = g.certified("k")
         g.record("k", c, (1.30 if c else 1.32) * 1e-3)
     assert g.summary("k")["choice"] == "certified"
+
+
+def test_vllm_plugin_checks_the_heads_weights_once_per_weights():
+    """The vLLM plugin's finiteness check: vLLM's head for a head with a NaN weight; rechecked after an in-place
+    write (the weight key), not on every step."""
+    import types
+
+    from hf_csv.vllm_plugin import _weights_finite
+
+    layer = types.SimpleNamespace()
+    w = torch.randn(50, 8)
+    assert _weights_finite(layer, w)
+    first = layer._hf_csv_finite
+    assert _weights_finite(layer, w) and layer._hf_csv_finite is first  # (cached)
+    w[3, 3] = float("nan")  # an in-place write: a new version
+    assert not _weights_finite(layer, w)
