@@ -521,6 +521,10 @@ def rerun(c: Any, input_ids, scores, sess, last, p, bad):
     if nbad == 0:
         return scores
     sess.verify_reruns += nbad
+    if sess.config.stats:  # their tokens now come from stock's row: counted as the full head's, not certified
+        moved = min(nbad, sess.stats.certified)
+        sess.stats.certified -= moved
+        sess.stats.fallback += moved
     B, P, d = last.H.shape
     raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
     idx = bad.nonzero(as_tuple=True)[0]
