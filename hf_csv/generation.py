@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ._compat import cache_kwarg, caller_passed_cache, unsupported_reason
+from ._compat import caller_passed_cache, unsupported_reason
 from .beam import BeamUncertified, beam_decisions
 from .candidate import patched_candidate_generator, user_assistant_settings
 from .config import CSVConfig
@@ -58,7 +58,6 @@ def _version_reason() -> Optional[str]:
 def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSession:
     sess = new_session(model, config)
     sess.caller_cache = caller_passed_cache(kwargs)
-    sess.cache_kwarg = cache_kwarg()
     sess.assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None
     gc = kwargs.get("generation_config")
     if gc is not None and getattr(gc, "prompt_lookup_num_tokens", None) is not None:

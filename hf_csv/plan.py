@@ -521,8 +521,10 @@ def rerun(c: Any, input_ids, scores, sess, last, p, bad):
     if nbad == 0:
         return scores
     sess.verify_reruns += nbad
-    if sess.config.stats:  # their tokens now come from stock's row: counted as the full head's, not certified
-        moved = min(nbad, sess.stats.certified)
+    if sess.config.stats:
+        # a re-run sub-vocabulary row's token now comes from stock's row: counted as the full head's, not certified
+        # (a row whose set already held every token was counted where the head computed it)
+        moved = min(int((bad & ~last.mask[:, p].all(-1)).sum()), sess.stats.certified)
         sess.stats.certified -= moved
         sess.stats.fallback += moved
     B, P, d = last.H.shape

@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_csv_kernels.quantize import NonFiniteWeightError
 
+from ._compat import cache_kwarg
 from .certificate import CertStats
 from .config import CSVConfig
 from .head import CSVSession, find_head, head_entry, model_out_dtype, set_static_plan, swapped_head
@@ -53,7 +54,7 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
         entry, nonfinite = None, ("the head's weights hold NaN or infinite values: no bound holds, stock's head "
                                   "computes the call")
     sess = CSVSession(model=model, config=config, head=None if entry is None else entry.head, entry=entry,
-                      out_dtype=model_out_dtype(model, head), post=post)
+                      out_dtype=model_out_dtype(model, head), post=post, cache_kwarg=cache_kwarg())
     if nonfinite is not None:
         sess.force_full = nonfinite
     elif offloaded:

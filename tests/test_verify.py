@@ -136,8 +136,11 @@ def test_gumbel_assisted_sampling_is_the_stock_keyed_draw_for_any_draft(trio, na
                                   return_dict_in_generate=True, **kw)
             assert torch.equal(out.sequences, ref), (name, seed, out.sequences, ref)
             st = out.csv_stats
-            assert st["mode"] != "full" and st["certified"] > 0, st["reasons"]
-            assert st["draft"]["mode"] != "full" and st["draft"]["certified"] > 0, st["draft"]
+            # (top-p 0.9 alone on this small random head: the bounds decide no sub-vocabulary row's nucleus, and the
+            # check re-runs each on stock's head, counted as fallback rows, not certified ones)
+            ran = (lambda s: s["certified"] > 0 or (name == "top_p_only" and s["verify_reruns"] > 0))
+            assert st["mode"] != "full" and ran(st), st["reasons"]
+            assert st["draft"]["mode"] != "full" and ran(st["draft"]), st["draft"]
             assert st["speculative"]["certified_verify_calls"] == st["speculative"]["verify_calls"] > 0
     # the coupling itself: a draft with the target's weights draws the target's tokens (same rows, same noise), so
     # nearly every draft is accepted (not all: its one-token forwards round differently from the verify's L + 1)
