@@ -21,7 +21,7 @@ always stock's. The intervals themselves are returned nowhere: calls that return
 
 Patch points (instance-level, scoped to one certified call, restored on exit): ``_get_top_k_continuations``,
 ``_get_running_beams_for_next_iteration``, ``_update_finished_beams`` and ``_check_early_stop_heuristic`` of
-``GenerationMixin`` (the same helpers, called the same way, in transformers 4.57 and 5.20–5.23:
+``GenerationMixin`` (the same helpers, called the same way, in transformers 4.57 and 5.20–5.24:
 :mod:`hf_csv._compat`). Each wrapper calls stock's method and validates, bit for bit, that its replay of stock's
 arithmetic on the representative values reproduces what stock computed; a mismatch raises :class:`CSVError`.
 """

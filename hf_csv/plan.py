@@ -676,13 +676,13 @@ KIND = {
 }
 
 # "lower" processors that only mask: each token's output is its input unchanged or -inf, the masked set chosen from
-# input_ids (and the processor's settings) alone, never from the scores (transformers 4.57 and 5.20-5.23: torch.where /
+# input_ids (and the processor's settings) alone, never from the scores (transformers 4.57 and 5.20-5.24: torch.where /
 # masked_fill with -inf). A custom processor may declare ``csv_masks_only = True`` (a promise of exactly that).
 MASKS_ONLY = frozenset({"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
                         "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
                         "NoRepeatNGramLogitsProcessor"})
 
-# Stock stopping criteria that never read ``scores`` (transformers 5.23): safe with any certificate.
+# Stock stopping criteria that never read ``scores`` (transformers 5.23 and 5.24): safe with any certificate.
 SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
 
 # Processors token-identical beam search runs with (docs/certificates.md §3.10): each maps a token's score through a

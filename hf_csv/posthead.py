@@ -12,7 +12,8 @@ go to the lowest index). So every certificate is checked on ``post(x)``: :class:
 performs the architecture's own operations, in the same order and dtype, on a tensor of bounds.
 Each transform is monotone non-decreasing, which is all the proofs need (docs/certificates.md §3.1).
 
-The registry is an allow-list read from transformers 5.23's modeling code. An architecture that is
+The registry is an allow-list read from transformers 5.23's modeling code (the listed models' logits code is
+unchanged in 5.24). An architecture that is
 not listed, or a listed one with a configuration this module does not understand (a non-positive
 scale, say), gets ``None``: the caller uses the full head and logs why. :func:`check_output`
 is a run-time guard that the model really returned ``post(head output)``.
