@@ -79,12 +79,19 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
     threshold = threshold_of(model, kwargs)
     if threshold is not None:
         # Whisper's logprob_threshold keeps every step's scores for its fallback decision (certified, hf_csv.whisper);
-        # a call that also returns them to the caller would return sub-vocabulary rows: full head
+        # a call that also returns them to the caller would return sub-vocabulary rows: full head. Read from every
+        # source threshold_of reads (the keyword, a passed config, the model's own config).
+        own = getattr(model, "generation_config", None)
         asked = [k for k in ("return_dict_in_generate", "return_segments", "output_scores", "output_logits")
-                 if kwargs.get(k) or getattr(gc, k, False)]
+                 if kwargs.get(k) or getattr(gc, k, False) or getattr(own, k, False)]
         if asked and sess.force_full is None:
             sess.force_full = (f"Whisper's logprob_threshold with {asked}: the returned scores would be the "
                                "certified sub-vocabulary rows, not stock's")
+        if sess.assisted and sess.force_full is None:
+            # the fallback decision pairs one recorded head step with each kept score row; a verify call records
+            # every candidate position, rejected drafts included, so the records would not be the kept rows'
+            sess.force_full = ("Whisper's logprob_threshold in assisted decoding: the fallback decision is certified "
+                               "for plain decoding only")
         sess.whisper.scores_internal = not asked
         sess.whisper.threshold = threshold
     return sess

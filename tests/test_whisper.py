@@ -284,6 +284,45 @@ def test_returned_scores_keep_the_full_head():
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
+def test_returned_scores_asked_on_the_models_own_config_keep_the_full_head():
+    """The same request made on the model's own generation_config (as a saved generation_config.json would): the
+    returned scores are stock's full rows (they were the certified sub-vocabulary rows, counted certified)."""
+    m = tiny_ts_whisper(0, 0.6)
+    kw = dict(input_features=_feats(1, 0), max_new_tokens=8, **FALLBACK)
+    gc = m.generation_config
+    # (a threshold no greedy round misses: the returned scores are the certified greedy round's)
+    gc.logprob_threshold, gc.return_dict_in_generate, gc.output_scores = -50.0, True, True
+    torch.manual_seed(0)
+    ref = m.generate(**kw)
+    torch.manual_seed(0)
+    out = m.generate(**kw, csv_config=CSVConfig())
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("logprob_threshold" in r for r in st["reasons"]), st["reasons"]
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.scores, out.scores)) and len(ref.scores) == len(out.scores)
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
+def test_assisted_decoding_with_a_logprob_threshold_keeps_the_full_head():
+    """Assisted decoding records a head step per candidate position, rejected drafts included, so the records are
+    not the kept rows that Whisper's fallback decision reads (they were paired by index: another decision than stock's,
+    counted certified). Such a call takes the full head, with the reason, and returns stock's output."""
+    from hf_csv.candidate import truncated_assistant
+
+    m = tiny_ts_whisper(0, 0.6)
+    draft = truncated_assistant(m, 1)
+    kw = dict(input_features=_feats(1, 0), max_new_tokens=8, logprob_threshold=-50.0, assistant_model=draft,
+              **FALLBACK)
+    torch.manual_seed(0)
+    ref = m.generate(**kw)
+    torch.manual_seed(0)
+    out = m.generate(**kw, csv_config=CSVConfig())
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("assisted" in r for r in st["reasons"]), st["reasons"]
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
 def test_real_long_form_with_temperature_fallback_identical(whisper_tiny_en, spy):
     """whisper-tiny.en, > 60 s, sequential long-form with the usual fallback settings: stock's tokens and decisions;
