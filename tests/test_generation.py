@@ -99,7 +99,7 @@ def test_smollm2_greedy_identical(dtype, monkeypatch):
         b = m.generate(**x, max_new_tokens=20, do_sample=False, csv_config=CSVConfig())
         st = m.csv_last_stats
         # (a bf16 near-tie whose order the values' slack leaves open takes the full head: near_ties)
-        assert st["mode"] == "topk" and (st["certified"] + st["near_ties"]) / st["rows"] > 0.9
+        assert st["mode"] == "topk" and (st["certified"] + st["near_ties"] + st["verify_reruns"]) / st["rows"] > 0.9
         # bf16 too: the certificate bounds stock's bf16 rounding and S holds stock's own values
         assert torch.equal(a, b)
     if dtype != torch.float32:
