@@ -532,7 +532,12 @@ ASSISTED_RESULTS: list = []
 def pytest_generate_tests(metafunc):
     if "assisted_case" in metafunc.fixturenames:
         n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
-        metafunc.parametrize("assisted_case", range(max(8, int(n) // 25)))
+        # the cases, then as many declined cases (ids from DECLINED_FROM) as a quarter of them, at least 3
+        main = max(8, int(n) // 25)
+        metafunc.parametrize("assisted_case", [*range(main), *range(DECLINED_FROM, DECLINED_FROM + max(3, main // 4))])
+
+
+DECLINED_FROM = 10_000  # assisted fuzz cases from this id on decline the target's call (hf_csv must return stock's)
 
 
 def _assisted_case(i: int) -> dict:
@@ -556,7 +561,7 @@ def _assisted_case(i: int) -> dict:
             "strong_penalty": rng.random() < 0.15,
             # a setting that declines the target's call, which must then return stock's tokens too (its drafts and
             # its verify stock's: hf_csv.policy._decide_draft, hf_csv.verify._dispatch)
-            "decline": rng.choices([None, "scores", "top_p_only", "sequence_bias"], weights=[9, 1, 1, 1])[0]}
+            "decline": None if i < DECLINED_FROM else ("scores", "top_p_only", "sequence_bias")[i % 3]}
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
