@@ -105,4 +105,9 @@ def check_output(post: PostHead, head_out: torch.Tensor, model_logits: torch.Ten
         return model_logits.untyped_storage().data_ptr() == head_out.untyped_storage().data_ptr()
     if model_logits.shape != head_out.shape:
         return False
-    return bool(torch.equal(post.apply(head_out), model_logits))
+    mine = post.apply(head_out)
+    if torch.equal(mine, model_logits):
+        return True
+    # a NaN where the model has one is the same value (a float16 head output that overflowed): stock then decodes
+    # (or raises) on those NaNs, and hf_csv must do what stock does rather than blame the model's code
+    return bool(((mine == model_logits) | (mine.isnan() & model_logits.isnan())).all())

@@ -349,15 +349,12 @@ def _dispatch(
         valid, n = speculative_sampling_certified(sess, candidate_input_ids, candidate_logits, candidate_length,
                                                   new_logits, generator=h.generator, counts=h.counts)
         h.certified_calls += 1
-    elif h.mode == "exact" and sess is not None and isinstance(sess.plan, TopK) and sess.plan.check_after is not None \
-            and h.generator is None:
-        # the target's checked top-K plan: its processed rows are stock's, and so are the draft's on the same plan
-        # (hf_csv.policy): stock's own verify then draws stock's tokens from stock's random stream
-        valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
-            candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
-    elif h.mode == "exact" and sess is not None and isinstance(sess.plan, Full) and h.generator is None:
-        # a declined call returns stock's tokens: stock's verify on stock's rows draws from stock's random stream
-        # (hf_csv's exact verify has the same law but other draws); its drafts are stock's (hf_csv.policy._decide_draft)
+    elif h.mode == "exact" and sess is not None and h.generator is None and (
+            isinstance(sess.plan, Full) or (isinstance(sess.plan, TopK) and sess.plan.check_after is not None)):
+        # stock's rows on both sides, so stock's own verify draws stock's tokens from stock's random stream (hf_csv's
+        # exact verify has the same law but other draws): a checked top-K plan's processed rows are stock's, and so
+        # are the draft's on the same plan; a declined call's rows are stock's head's and its drafts are stock's
+        # (hf_csv.policy._decide_draft)
         valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
             candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     else:

@@ -60,3 +60,18 @@ def test_check_output_accepts_only_the_exact_transform():
     assert check_output(post, h, h * 0.5)
     assert not check_output(post, h, h * 0.5 + 1e-3)
     assert not check_output(post, h, (h * 0.5)[:1])
+
+
+def test_check_output_takes_a_nan_where_the_model_has_one_as_the_same_value():
+    """A float16 head output that overflowed to NaN: stock decodes (or raises) on it; the guard must not blame the
+    model's code. A NaN on one side only, or at another position, is still a mismatch."""
+    h = torch.randn(2, 7, dtype=torch.float16)
+    h[1, 3] = float("nan")
+    post = PostHead("scale", 0.3)
+    assert check_output(post, h, h * 0.3)
+    other = h * 0.3
+    other[1, 3] = 0.0
+    assert not check_output(post, h, other)
+    moved = h * 0.3
+    moved[1, 3], moved[0, 0] = 1.0, float("nan")
+    assert not check_output(post, h, moved)
