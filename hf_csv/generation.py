@@ -263,7 +263,8 @@ def enable(model: nn.Module) -> nn.Module:
 
 def refresh(model: nn.Module) -> nn.Module:
     """Forget the cached screens of ``model``'s head. Needed only after writing its weights through
-    ``.data`` (which bypasses the version counters the cache checks); returns the model."""
+    ``.data`` (which bypasses the version counters the cache checks; peft's LoRA merge does), which the cache's
+    sampled row check (:class:`hf_csv.head.WeightProbe`) may not see; returns the model."""
     forget_heads(find_head(model)[1])
     return model
 

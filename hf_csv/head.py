@@ -30,7 +30,7 @@ from torch import nn
 from .certificate import CertifiedHead, CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .plan import FULL, Full, Plan
+from .plan import FULL, Epsilon, Full, Plan
 from .posthead import PostHead
 from .step import CSVHead, StepState, activated
 
@@ -164,15 +164,24 @@ class CSVSession:
             if summ is not None:
                 d["speed_guard"] = summ
         full = total - self.stats.certified
+        # what the caller opted into that is not stock's law or tokens: such a call's "certified" rows are the
+        # approximate certificate's
+        approx = []
+        if isinstance(self.plan, Epsilon):
+            approx.append(f"ε-softmax, TV ≤ {self.plan.eps:g} a row")
+        if self.assisted and self.config.speculative == "sigmoid":
+            approx.append("the lossy sigmoid verify")
+        d["exact"] = not approx
+        lead = f"approximate ({', '.join(approx)}): " if approx else ""
         if isinstance(self.plan, Full):
-            d["summary"] = f"full head ({self.reasons[0] if self.reasons else 'declined'})"
+            d["summary"] = lead + f"full head ({self.reasons[0] if self.reasons else 'declined'})"
             return d
         why = []
         if self.declined_rows:
             why.append(f"speed guard {self.declined_rows}")
         if self.stats.fallback:
             why.append(f"certificate {self.stats.fallback}")
-        d["summary"] = (f"certified {self.stats.certified}/{total} rows" + (f" (full head: {full}, " + ", ".join(why) + ")"
+        d["summary"] = lead + (f"certified {self.stats.certified}/{total} rows" + (f" (full head: {full}, " + ", ".join(why) + ")"
                         if full and why else (f" (full head: {full})" if full else "")) +
                         (f", mean |S| {100 * self.stats.mean_subvocab_fraction:.3g} % of V" if self.stats.certified else ""))
         return d
@@ -212,7 +221,8 @@ def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
 def _weight_key(head: nn.Linear) -> tuple:
     """What must be unchanged for a cached screen to stay valid: storage, shape, dtype and the tensors'
     version counters (bumped by every in-place write: ``optimizer.step()``, ``load_state_dict``,
-    ``copy_``). Writes through ``.data`` bypass version counters: call :func:`hf_csv.refresh` then."""
+    ``copy_``). Writes through ``.data`` bypass version counters: call :func:`hf_csv.refresh` then
+    (:class:`WeightProbe` samples rows for them, docs/certificates.md §3.8)."""
     key = []
     for w in (head.weight, head.bias):
         if w is None:
@@ -221,6 +231,70 @@ def _weight_key(head: nn.Linear) -> tuple:
         local = w.to_local() if hasattr(w, "to_local") else w  # DTensor (tensor parallel): its local shard
         key.append((local.data_ptr(), tuple(w.shape), w.dtype, local._version))
     return tuple(key)
+
+
+PROBE_ROWS = 256  # head rows fingerprinted when a screen is built (at most: fewer when ids repeat, or V is small)
+PROBE_PER_CALL = 64  # of them re-read by each call, in turn (all of them every PROBE_ROWS / PROBE_PER_CALL calls)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The rows' bytes as signed integers, int64 [rows, chunks]: int16 chunks for 2-byte floats, int32 otherwise."""
+    x = x.detach().contiguous()
+    size = x.element_size()
+    view = torch.int8 if size == 1 else torch.int16 if size == 2 else torch.int32
+    return x.view(view).to(torch.int64)
+
+
+@dataclass
+class WeightProbe:
+    """A sampled check for head writes that bypass the version counter (through ``.data``: peft's LoRA merge does
+    ``weight.data += delta``; ``_weight_key`` cannot see them).
+
+    Each fingerprint is an exact integer, ``sum_j bits[r, j] * mult[j]`` with ``mult`` odd and below 2**12, so that
+    it cannot overflow int64 (|bits| < 2**31, at most 2**17 chunks a row): a write that changes one element of a
+    fingerprinted row always changes it, and a write to many elements leaves it equal only if the changes cancel.
+    Limits: it reads PROBE_PER_CALL of PROBE_ROWS sampled rows per call, so a write to a few rows (or made while a
+    call runs) can go unseen. It is a safety net, not part of the certificate: the rule stays, call
+    :func:`hf_csv.refresh` after writing through ``.data``.
+    """
+
+    rows: torch.Tensor
+    mult: torch.Tensor
+    sums: torch.Tensor
+    bias: Optional[torch.Tensor]
+    turn: int = 0
+
+    @staticmethod
+    def _sums(rows_bits: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+        return (rows_bits * mult).sum(-1)
+
+    @classmethod
+    def of(cls, head: nn.Linear) -> Optional["WeightProbe"]:
+        """The probe of ``head``'s current weights; None for a sharded (DTensor) or meta weight."""
+        w, b = head.weight, head.bias
+        if hasattr(w, "to_local") or w.device.type == "meta" or w.dim() != 2 or w.shape[0] == 0:
+            return None
+        g = torch.Generator().manual_seed(0x5EED)
+        V = w.shape[0]
+        rows = torch.randint(0, V, (PROBE_ROWS,), generator=g).unique().to(w.device)  # (sorted)
+        bits = _bits(w[rows])
+        mult = (torch.randint(0, 2 ** 11, (bits.shape[1],), generator=g) * 2 + 1).to(w.device)
+        bias = None if b is None or hasattr(b, "to_local") else _bits(b[rows].reshape(-1, 1))[:, 0]
+        return cls(rows=rows, mult=mult, sums=cls._sums(bits, mult), bias=bias)
+
+    def unchanged(self, head: nn.Linear) -> bool:
+        """Whether this call's share of the sampled rows still holds the bytes the screen was built from."""
+        n = len(self.rows)
+        start = (self.turn % -(-n // PROBE_PER_CALL)) * PROBE_PER_CALL  # (all rows every ceil(n / 64) calls)
+        self.turn += 1
+        part = slice(start, min(start + PROBE_PER_CALL, n))
+        rows = self.rows[part]
+        if not torch.equal(self._sums(_bits(head.weight[rows]), self.mult), self.sums[part]):
+            return False
+        b = head.bias
+        if (b is None) != (self.bias is None):
+            return False
+        return b is None or torch.equal(_bits(b[rows].reshape(-1, 1))[:, 0], self.bias[part])
 
 
 def forget_heads(head: nn.Module) -> None:
@@ -240,6 +314,7 @@ class HeadEntry:
     src_key: tuple
     guard: Any = None
     static_plans: dict = field(default_factory=dict)
+    probe: Optional[WeightProbe] = None  # writes through .data (read under the cache's lock)
 
 
 def get_certified_head(head: nn.Linear, config: CSVConfig):
@@ -257,7 +332,14 @@ def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
         per = _HEADS.setdefault(head, {})
         entry = per.get(key)
         # the cache is keyed on the module; a changed or updated weight tensor invalidates it
-        if entry is None or entry.src_key != _weight_key(head):
+        stale = entry is not None and entry.src_key == _weight_key(head) and entry.probe is not None \
+            and not entry.probe.unchanged(head)
+        if stale:
+            _tlog().warning(
+                "hf_csv: the head's weights changed without a version-counter bump (a write through .data, such as "
+                "peft's merge_adapter or merge_and_unload): the screen is rebuilt. Call hf_csv.refresh(model) after "
+                "such writes: this check reads a sample of rows and cannot see every write.")
+        if entry is None or stale or entry.src_key != _weight_key(head):
             art, index = _artifact_of(config)
             from .distributed import local_shard_of
 
@@ -292,7 +374,8 @@ def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
 
             guarded = isinstance(ch, CertifiedHead) and head.weight.numel() >= MIN_WEIGHTS and SpeedGuard.enabled()
             # (the guard: never slower than stock, hf_csv.speed)
-            entry = per[key] = HeadEntry(head=ch, src_key=_weight_key(head), guard=SpeedGuard() if guarded else None)
+            entry = per[key] = HeadEntry(head=ch, src_key=_weight_key(head), guard=SpeedGuard() if guarded else None,
+                                         probe=WeightProbe.of(head))
     return entry
 
 

@@ -71,6 +71,10 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
                 "head, which needs a fresh cache")
     if session.beam.restart:
         return session.beam.restart
+    if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
+        # (CSVConfig(scores='subvocab') too: a beam row's scores and sequences_scores are log-softmax values, which
+        # need each row's normalizer over all of V)
+        return "beam search with output_scores: its scores and sequences_scores need each row's full normalizer"
     # (an admitted name can still classify "full": a repetition penalty < 1 or a positive sequence bias raises scores)
     other = sorted({type(p).__name__ for p in processors if classify_processor(p) != "csv"
                     and (type(p).__name__ not in BEAM_PROCESSORS or classify_processor(p) == "full")})
@@ -252,19 +256,27 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                             k_head=lowered_k(1, session.head.vocab_size) if lower else 0)
         return session
     if not do_sample and num_beams > 1:
-        if cfg.mode != "epsilon":
+        # the exact certificate wins when asked for, also under mode='epsilon' (which then covers only what it cannot)
+        if cfg.mode != "epsilon" or cfg.beam_search == "exact":
             why = _beam_exact_reason(session, gc, processors) if cfg.beam_search == "exact" else (
                 "beam search runs the full head by default (its log_softmax needs each row's normalizer); "
                 "CSVConfig(beam_search='exact') runs the token-identical certificate, measured slower on real heads "
                 "(docs/benchmarks.md §9.9), and CSVConfig(mode='epsilon') the approximate beam_epsilon one")
-            if why is not None:
+            if why is None:
+                # token-identical beam search (docs/certificates.md §3.10): S holds every row's top beams_to_keep
+                eos = getattr(gc, "eos_token_id", None)
+                n_eos = 0 if eos is None else (1 if isinstance(eos, int) else len(torch.as_tensor(eos).reshape(-1)))
+                session.plan = ExactBeam(k=max(2, 1 + n_eos) * num_beams)
+                return session
+            if cfg.mode != "epsilon":
                 session.set_full(why)
                 _warn_beams(session, num_beams)
                 return session
-            # token-identical beam search (docs/certificates.md §3.10): S holds every row's top beams_to_keep
-            eos = getattr(gc, "eos_token_id", None)
-            n_eos = 0 if eos is None else (1 if isinstance(eos, int) else len(torch.as_tensor(eos).reshape(-1)))
-            session.plan = ExactBeam(k=max(2, 1 + n_eos) * num_beams)
+            session.note(f"token-identical beam search declined ({why}): CSVConfig(mode='epsilon') runs the "
+                         "approximate beam_epsilon certificate instead")
+        if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
+            session.set_full("beam search with output_scores: its scores and sequences_scores need each row's full "
+                             "normalizer")
             return session
         if norm and kinds["norm"] != ["LogitNormalization"]:
             session.set_full(f"beam search with normalizing processors {kinds['norm']}")

@@ -165,6 +165,63 @@ def test_unsupported_processors_decline():
     assert st["mode"] == "full" and any("LogitNormalization" in r for r in st["reasons"]), st["reasons"]
 
 
+def _audit_llama(vocab: int, scale: float, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, bos_token_id=1,
+                                   pad_token_id=0)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(scale)
+    return hf_csv.enable(m)
+
+
+def test_output_scores_with_subvocab_scores_keep_stocks_beam_scores():
+    """A beam row's scores and sequences_scores are log-softmax values (each row's normalizer over all of V):
+    CSVConfig(scores='subvocab') does not make them certifiable. Before: certified, sequences_scores off by 9e-5."""
+    m = _audit_llama(500, 40.0, 0)
+    x = dict(input_ids=torch.tensor([[1, 5, 9, 13]]), attention_mask=torch.ones(1, 4, dtype=torch.long))
+    kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    a = m.generate(**x, **kw)
+    for mode in ("auto", "epsilon"):
+        b = m.generate(**x, **kw, csv_config=CSVConfig(beam_search="exact", scores="subvocab", mode=mode))
+        st = m.csv_last_stats
+        assert st["mode"] == "full" and any("output_scores" in r for r in st["reasons"]), st["reasons"]
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.sequences_scores, b.sequences_scores)
+        assert all(torch.equal(p, q) for p, q in zip(a.scores, b.scores))
+
+
+def test_exact_beam_search_wins_over_mode_epsilon():
+    """CSVConfig(mode='epsilon', beam_search='exact'): the token-identical certificate runs (exact certificates win
+    under mode='epsilon'). Before: the approximate beam_epsilon plan ran and its tokens differed from stock's."""
+    m = _audit_llama(256, 30.0, 427)
+    ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(427))
+    x = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    kw = dict(max_new_tokens=11, num_beams=2, do_sample=False, eos_token_id=2, pad_token_id=0)
+    a = m.generate(**x, **kw)
+    b = m.generate(**x, **kw, csv_config=CSVConfig(mode="epsilon", beam_search="exact", beam_epsilon=0.2))
+    st = m.csv_last_stats
+    assert torch.equal(a, b) and st["mode"] == "beam_exact" and st["exact"], st
+    # the approximate plan alone says so in the stats
+    m.generate(**x, **kw, csv_config=CSVConfig(mode="epsilon", beam_epsilon=0.2))
+    st = m.csv_last_stats
+    assert st["mode"] == "beam" and st["exact"] is False and st["summary"].startswith("approximate (ε-softmax")
+
+
+def test_rerun_rows_leave_the_certified_rows_sizes():
+    """Rows the per-row check re-ran count as fallbacks, and their |S| leaves the certified rows' mean (before: a
+    mean |S| of 103 % of V)."""
+    m = _audit_llama(2000, 20.0, 328)
+    ids = torch.randint(3, 2000, (1, 4), generator=torch.Generator().manual_seed(328))
+    m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=13, num_beams=3, do_sample=False,
+               eos_token_id=2, pad_token_id=0, csv_config=CSVConfig(mode="epsilon", beam_epsilon=0.4))
+    st = m.csv_last_stats
+    assert st["verify_reruns"] > 0 and st["certified"] + st["fallback"] == st["rows"], st
+    assert 0.0 < st["mean_subvocab_fraction"] <= 1.0, st
+
+
 def test_config_rejects_unknown_beam_search():
     with pytest.raises(ValueError, match="beam_search"):
         CSVConfig(beam_search="fast")

@@ -47,7 +47,7 @@ ALPHA = 1e-3  # family-wise significance level of the law tests (fixed seeds)
 DRAWS = 1200  # draws of the first token per certified sampling case
 ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "cohere", "granite", "phi", "whisper")
 DTYPES = tuple(getattr(torch, n) for n in os.environ.get("HF_CSV_FUZZ_DTYPES", "float32,bfloat16").split(","))
-FAST_CASES = 40
+FAST_CASES = 60
 _MODELS: dict = {}
 RESULTS: list = []
 
@@ -275,10 +275,20 @@ def _seqs(out):
     return out["sequences"] if isinstance(out, dict) and "sequences" in out else out.sequences
 
 
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit up to NaN: a NaN where the other has one is the same value (float16 scores that overflowed;
+    torch.equal says stock's own scores differ from themselves then)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if torch.equal(x, y):
+        return True
+    return x.is_floating_point() and bool(torch.allclose(x, y, rtol=0.0, atol=0.0, equal_nan=True))
+
+
 def _deep_equal(a, b) -> bool:
     """Tensors bitwise, containers element by element (Whisper's dict with its per-segment results)."""
     if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+        return torch.is_tensor(a) and torch.is_tensor(b) and _equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):  # (cache objects, under either version's name, are not outputs)
         return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a
                                             if k not in ("past_key_values", "cache"))
@@ -298,7 +308,7 @@ def _same_outputs(a, b) -> tuple[bool, str]:
             continue
         sa = sa if isinstance(sa, tuple) else (sa,)
         sb = sb if isinstance(sb, tuple) else (sb,)
-        if len(sa) != len(sb) or not all(torch.equal(x, y) for x, y in zip(sa, sb)):
+        if len(sa) != len(sb) or not all(_equal(x, y) for x, y in zip(sa, sb)):
             return False, f"{name} differ from stock's"
     return True, ""
 
@@ -471,6 +481,10 @@ def _run_in(m, c: dict, n_sampling: int) -> dict:
         ok, why = _same_outputs(a, b)
     else:
         ok, why = _law_check(m, c, inputs, n_sampling)
+    # the stats count every row once: a certified row, or a fallback (over the budget, a near tie, a re-run)
+    if ok and (st.get("certified", 0) + st.get("fallback", 0) != st.get("rows", 0)
+               or not 0.0 <= st.get("mean_subvocab_fraction", 0.0) <= 1.0):
+        ok, why = False, f"row accounting: {st.get('summary')} {st}"
     res.update(ok=ok, why=why)
     return res
 
@@ -522,7 +536,7 @@ def test_differential_summary(request):
     assert summary["mismatches"] == 0
     # (a quarter: on a CPU whose BLAS rounds column subsets differently from the full call, plans that hand the
     # values to stock's sampler, verify or beam scores use the full head by design, docs/certificates.md §2.0)
-    # (an eighth on the fast tier's first 40 cases, whose mix certifies 7 on this project's CPU: a small sample)
+    # (an eighth on the fast tier's first FAST_CASES cases, whose mix certifies 13 on this project's CPU: a small sample)
     floor = n / 4 if n >= 200 else n / 8
     assert cert >= floor, f"only {cert} of {n} cases certified: declining must not pass for success"
     # every architecture of the fuzzer is certified somewhere (Phi's biased head only in fp32: bf16/fp16 decline it)

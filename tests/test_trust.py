@@ -168,6 +168,53 @@ def test_screen_rebuilt_after_optimizer_step_and_load_state_dict():
     assert torch.equal(a, b)
 
 
+def test_a_lora_merge_through_data_rebuilds_the_screen(caplog):
+    """peft's merge (``safe_merge=False``) writes ``base_layer.weight.data += B @ A * scaling``: no version bump, the
+    same storage. The sampled row fingerprints (hf_csv.head.WeightProbe) see it, the screen is rebuilt with a
+    warning, and the tokens are stock's (before the probe: other tokens, counted certified)."""
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = _ids()
+    m.generate(**x, max_new_tokens=4, csv_config=CSVConfig())  # builds and caches the screen
+    g = torch.Generator().manual_seed(5)
+    B, A = torch.randn(m.lm_head.weight.shape[0], 8, generator=g), torch.randn(8, m.lm_head.weight.shape[1], generator=g)
+    m.lm_head.weight.data += 2.0 * B @ A
+    a = m.generate(**x, max_new_tokens=10, do_sample=False)
+    from transformers.utils import logging as tlogging
+
+    tlogging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            b = m.generate(**x, max_new_tokens=10, do_sample=False, csv_config=CSVConfig())
+    finally:
+        tlogging.disable_propagation()
+    assert torch.equal(a, b) and m.csv_last_stats["certified"] > 0
+    assert "without a version-counter bump" in caplog.text
+
+
+def test_weight_probe_sees_a_one_element_write_in_every_sampled_row():
+    """The fingerprint is exact integer arithmetic: one changed element (the smallest step: one ulp) in any sampled
+    row changes it, for every float dtype, within PROBE_ROWS / PROBE_PER_CALL calls."""
+    from hf_csv.head import PROBE_PER_CALL, PROBE_ROWS, WeightProbe
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        head = torch.nn.Linear(64, 3000, bias=True).to(dtype)
+        probe = WeightProbe.of(head)
+        calls = -(-len(probe.rows) // PROBE_PER_CALL)
+        assert calls <= PROBE_ROWS // PROBE_PER_CALL
+        assert all(probe.unchanged(head) for _ in range(calls))
+        for k in (0, len(probe.rows) // 2, len(probe.rows) - 1):
+            r = int(probe.rows[k])
+            with torch.no_grad():
+                w = head.weight.data
+                w[r, 13] = torch.nextafter(w[r, 13], torch.tensor(float("inf"), dtype=dtype))
+            assert not all(probe.unchanged(head) for _ in range(calls)), (dtype, k)
+            fresh = WeightProbe.of(head)  # (a rebuilt screen fingerprints the new bytes)
+            assert all(fresh.unchanged(head) for _ in range(calls))
+            probe = fresh
+        head.bias.data[int(probe.rows[3])] += 1
+        assert not all(probe.unchanged(head) for _ in range(calls))
+
+
 # ------------------------------------------------------------------ 5. deepcopy
 def test_deepcopy_of_an_enabled_model_runs_the_copy():
     m = hf_csv.enable(tiny_llama(scale=20.0))
