@@ -242,6 +242,25 @@ def normalizer_terms(x: torch.Tensor, up: torch.Tensor, outside: torch.Tensor
     return m, zs, z_hi, C
 
 
+def confidence_unsure(scores: torch.Tensor, S: torch.Tensor, up: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Rows on which stock's confidence stop (transformers' ``ConfidenceCriteria``: ``softmax(scores)[t] <
+    threshold`` at the drafted token t, a greedy draft's argmax) may decide otherwise than on this row
+    (docs/certificates.md §3.11).
+
+    ``scores``: float32 rows, stock's values on S (which holds each row's max) and −inf elsewhere; ``up``: float64
+    upper bounds on stock's value of every token. Stock's normalizer Z = Σ_V e^{x_i − m} lies in [Z_S, Z_hi] and its
+    float32 sum in any order errs by at most C (:func:`normalizer_terms`); the numerator e^{x_t − m} = e^0 is exact,
+    and one reciprocal and one product round by u each. So stock's probability and this row's (the same sum over S
+    alone) both lie in [(1 − 4u)/(Z_hi + C), (1 + 4u)/(Z_S − C)]: a row whose interval lies on one side of the
+    threshold gets stock's decision; every other row is unsure (its full row is then computed)."""
+    x = scores.double()
+    _, zs, z_hi, C = normalizer_terms(x, up, ~S)
+    lo = (1 - 4 * U32) / (z_hi + C)
+    hi = (1 + 4 * U32) / (zs - C)
+    usable = (zs - C > 0) & torch.isfinite(z_hi) & torch.isfinite(zs)
+    return ~(usable & ((lo >= threshold) | (hi < threshold)))
+
+
 def logprob_box(raw: torch.Tensor, S: torch.Tensor, up: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lo [N, V], hi [N, V], ob [N]) float32: an interval around stock's fl(log_softmax(fp32(logits))) of every

@@ -110,9 +110,9 @@ class TopK(Plan):
     before the warper) largest logits, and the last ``always`` tokens (Whisper's timestamp block) on every row.
 
     ``check_after``: the top-k warper the check follows (sampling: every later warper sees stock's vector);
-    ``ts_proc``: Whisper's timestamp processor the check runs right before. A draft's tail: ``fill_tail`` (greedy,
-    confidence stop) raises the uncomputed tokens to their estimated mass, ``fill_est`` (sampled draft, no top-k)
-    gives them the screen's estimates. ``own_values``: the call proves every decision on the values within their slack
+    ``ts_proc``: Whisper's timestamp processor the check runs right before. ``confidence``: a greedy draft's
+    confidence-stop threshold, whose decision the check proves on each row or gives the row stock's head (§3.11).
+    A sampled draft without a top-k: ``fill_est`` gives the uncomputed tokens the screen's estimates. ``own_values``: the call proves every decision on the values within their slack
     and never hands them to stock's code as stock's (hf_csv.policy sets it where no reason to read them exists), so
     the head may compute them itself (``CertifiedHead.topk(own_values=True)``)."""
 
@@ -122,7 +122,7 @@ class TopK(Plan):
     always: int = 0
     check_after: Any = None
     ts_proc: Any = None
-    fill_tail: bool = False
+    confidence: float = 0.0
     fill_est: bool = False
     own_values: bool = False
 
@@ -130,15 +130,13 @@ class TopK(Plan):
         kw: dict = {"always": self.always} if self.always else {}
         if self.own_values:
             kw["own_values"] = True
-        if sess.whisper.record:
+        if sess.whisper.record or self.confidence:
             kw["with_upper"] = True
         if self.k_head > self.k:  # a wider set where it fits the budget, else the warper's k (config.lowered_k)
             kw.update(k_min=self.k)
         res = ch.topk(H, max(self.k, self.k_head), out_dtype=sess.out_dtype, **kw)
         out = res.logits
-        if self.fill_tail and res.est is not None:
-            out = fill_tail(out, res.est, res.mask)
-        elif self.fill_est and res.est is not None:
+        if self.fill_est and res.est is not None:
             # a sampled draft may sample from any law it returns (the verify reads the same scores as q); the
             # screen's estimates outside S keep q's tail, which a -inf tail drops: without a top-k that tail
             # holds target mass the verify could otherwise never accept, and the confidence stop reads it
@@ -172,6 +170,9 @@ class TopK(Plan):
             bad = checks.topk_unsure(scores, ob, k)
             if last.slack is not None and not sess.draft:
                 bad |= set_undecided(c, input_ids, scores, sess, last, p, k, ob)
+        if self.confidence:
+            up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
+            bad |= checks.confidence_unsure(scores, last.mask[:, p], up, self.confidence)
         out = rerun(c, input_ids, scores, sess, last, p, bad)
         if sess.whisper.record:
             record_lp(sess, input_ids, out, last, p, bad, ts)
@@ -372,33 +373,6 @@ class Epsilon(Plan):
         ob = checks.epsilon_bound(raw, last.mask[:, p].all(1), self.eps)
         bad = checks.topk_unsure(scores, ob, min(self.k, raw.shape[1]))
         return rerun(c, input_ids, scores, sess, last, p, bad)
-
-
-def fill_tail(out: torch.Tensor, est: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """Greedy drafting: raise the uncomputed tokens to one value c, chosen so that the tokens outside
-    S carry about the mass the screen *estimates* for them, Σ_{i∉S} exp(est_i).
-
-    Why: the assistant's confidence stop (``assistant_confidence_threshold``) reads
-    ``softmax(scores)`` at the drafted token; with -inf outside S that probability would be
-    inflated and drafts would run longer than stock's. With the fill it matches stock's up to the
-    screen's estimate error. The argmax is unchanged: c <= max_{i∉S} est_i <= max U_i < τ <= the
-    top exact logit, and c is kept 4 ulps (of the output dtype) below the top so rounding cannot
-    create a tie. (In-place ``clamp(min=c)``: tokens of S below c are raised too; they are not the
-    argmax, and the value only feeds the confidence estimate.) Greedy verification reads only the
-    target's logits, so tokens stay exact.
-    """
-    # tail mass = total - mass on S, from one logsumexp pass over est (S is tiny)
-    lse = torch.logsumexp(est, dim=1)
-    r, t = S.nonzero(as_tuple=True)
-    n_out = S.shape[1] - torch.bincount(r, minlength=S.shape[0])
-    on_s = torch.zeros_like(lse).index_add_(0, r, torch.exp(est[r, t] - lse[r]))
-    tail = torch.log((1 - on_s).clamp(min=0)) + lse  # -inf when S holds (numerically) all the mass
-    c = tail - torch.log(n_out.clamp(min=1).float())
-    top = out.float().amax(1)
-    eps = torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-6
-    c = torch.minimum(c, top - 4 * eps * top.abs().clamp(min=1.0))
-    c = torch.where((n_out > 0) & torch.isfinite(c), c, torch.full_like(c, float("-inf")))
-    return out.clamp_(min=c[:, None].to(out.dtype))
 
 
 def one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -492,8 +492,9 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
                   processors: list = ()) -> CSVSession:
     """The assistant's head inside assisted generation (hf_csv.candidate).
 
-    Greedy drafts: certified top-1, so the drafted tokens are the stock draft's (plus the tail
-    fill for the confidence stop). Sampled drafts with one top-k warper of at most ``draft_top_k``: the
+    Greedy drafts: certified top-1, so the drafted tokens are the stock draft's, and the confidence stop's
+    decisions proved on each row or made on stock's row (docs/certificates.md §3.11), so each round drafts as many
+    tokens as stock's. Sampled drafts with one top-k warper of at most ``draft_top_k``: the
     target's checked top-K plan (:func:`_top_k_plan`), so the draft's processed scores are stock's draft's and,
     with the target on the same plan and stock's verify, assisted sampling returns stock's tokens for the same
     seed. Other sampled drafts: exact logits on a certified top-k set, and elsewhere
@@ -509,10 +510,15 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
         if "norm" in kinds:
             session.set_full(f"greedy draft with normalizing processors {kinds['norm']}")
             return session
-        thr = getattr(gc, "assistant_confidence_threshold", None)
-        session.plan = TopK(k=1, verify=lower or not post.identity,
-                            k_head=lowered_k(1, session.head.vocab_size) if lower else 0,
-                            fill_tail=bool(thr) and not lower and post.identity)
+        # the confidence stop decides how many tokens a round drafts, hence the shapes of the target's verify
+        # forwards, whose results (float16, bfloat16, float32 scores) depend on them: its decisions must be stock's
+        thr = float(getattr(gc, "assistant_confidence_threshold", None) or 0.0)
+        if thr and not post.identity:
+            session.set_full(f"greedy draft with a confidence stop after {post.describe()}: its decisions are proved "
+                             "on the head's own logits only")
+            return session
+        session.plan = TopK(k=1, verify=lower or not post.identity or thr > 0,
+                            k_head=lowered_k(1, session.head.vocab_size) if lower else 0, confidence=thr)
         return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampled draft after {post.describe()}")
