@@ -112,8 +112,9 @@ class TopK(Plan):
     ``check_after``: the top-k warper the check follows (sampling: every later warper sees stock's vector);
     ``ts_proc``: Whisper's timestamp processor the check runs right before. ``confidence``: a greedy draft's
     confidence-stop threshold, whose decision the check proves on each row or gives the row stock's head (§3.11).
-    A sampled draft without a top-k: ``fill_est`` gives the uncomputed tokens the screen's estimates. ``own_values``: the call proves every decision on the values within their slack
-    and never hands them to stock's code as stock's (hf_csv.policy sets it where no reason to read them exists), so
+    A sampled draft without a top-k: ``fill_est`` gives the uncomputed tokens the screen's estimates.
+    ``own_values``: the call proves every decision on the values within their slack and never hands them to stock's
+    code as stock's (hf_csv.policy sets it where no reason to read them exists), so
     the head may compute them itself (``CertifiedHead.topk(own_values=True)``)."""
 
     name: ClassVar[str] = "topk"
