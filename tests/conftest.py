@@ -75,14 +75,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_llama(vocab: int = 256, scale: float = 1.0, seed: int = 0):
+def tiny_llama(vocab: int = 256, scale: float = 1.0, seed: int = 0, eos: int = 2):
     """The tests' tiny random Llama (V = 256, 2 layers; ``scale`` spreads the head's logits)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=eos)
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(scale)  # spread the logits so certificates prune

@@ -17,7 +17,7 @@ from hf_csv import CSVConfig
 from hf_csv._compat import support
 from hf_csv.candidate import truncated_assistant
 
-from conftest import model_dir, SHARED, spec_llama, _tiny_whisper, tokenizer
+from conftest import model_dir, SHARED, spec_llama, tiny_llama, _tiny_whisper, tokenizer
 from test_differential import _build
 
 
@@ -62,7 +62,7 @@ def test_greedy_identical_and_draft_head_certified(pair):
 def _audit_pair(V, dtype, scale, seed, noise, noise_seed):
     """A target and a draft that is the target with its layers perturbed (an assistant that agrees often), drafting
     up to 20 tokens a round."""
-    t = _build_llama(V, seed, scale, dtype)
+    t = tiny_llama(vocab=V, scale=scale, seed=seed, eos=V - 1).to(dtype)
     d = copy.deepcopy(t)
     d.generation_config.num_assistant_tokens = 20
     d.generation_config.num_assistant_tokens_schedule = "constant"
@@ -71,17 +71,6 @@ def _audit_pair(V, dtype, scale, seed, noise, noise_seed):
         for prm in d.model.layers.parameters():
             prm.add_((noise * torch.randn(prm.shape, generator=g)).to(prm.dtype))
     return hf_csv.enable(t), d
-
-
-def _build_llama(V, seed, scale, dtype):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, pad_token_id=0, eos_token_id=V - 1, bos_token_id=1,
-                      tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(scale)
-    return m.to(dtype)
 
 
 def _lengths_and_out(t, ids, cfg, **kw):
