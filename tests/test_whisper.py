@@ -286,6 +286,15 @@ def test_returned_scores_keep_the_full_head():
     assert st["mode"] == "full" and any("logprob_threshold" in r for r in st["reasons"]), st["reasons"]
 
 
+def _seeded_stock_and_csv(m, kw: dict) -> tuple:
+    """(stock's output, hf_csv's, hf_csv's stats) of one call, each from seed 0 (the fallback rounds sample)."""
+    torch.manual_seed(0)
+    ref = m.generate(**kw)
+    torch.manual_seed(0)
+    out = m.generate(**kw, csv_config=CSVConfig())
+    return ref, out, m.csv_last_stats
+
+
 @pytest.mark.usefixtures("assume_subset_exact")
 def test_returned_scores_asked_on_the_models_own_config_keep_the_full_head():
     """The same request made on the model's own generation_config (as a saved generation_config.json would): the
@@ -295,11 +304,7 @@ def test_returned_scores_asked_on_the_models_own_config_keep_the_full_head():
     gc = m.generation_config
     # (a threshold no greedy round misses: the returned scores are the certified greedy round's)
     gc.logprob_threshold, gc.return_dict_in_generate, gc.output_scores = -50.0, True, True
-    torch.manual_seed(0)
-    ref = m.generate(**kw)
-    torch.manual_seed(0)
-    out = m.generate(**kw, csv_config=CSVConfig())
-    st = m.csv_last_stats
+    ref, out, st = _seeded_stock_and_csv(m, kw)
     assert st["mode"] == "full" and any("logprob_threshold" in r for r in st["reasons"]), st["reasons"]
     assert torch.equal(ref.sequences, out.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ref.scores, out.scores)) and len(ref.scores) == len(out.scores)
@@ -316,11 +321,7 @@ def test_assisted_decoding_with_a_logprob_threshold_keeps_the_full_head():
     draft = truncated_assistant(m, 1)
     kw = dict(input_features=_feats(1, 0), max_new_tokens=8, logprob_threshold=-50.0, assistant_model=draft,
               **FALLBACK)
-    torch.manual_seed(0)
-    ref = m.generate(**kw)
-    torch.manual_seed(0)
-    out = m.generate(**kw, csv_config=CSVConfig())
-    st = m.csv_last_stats
+    ref, out, st = _seeded_stock_and_csv(m, kw)
     assert st["mode"] == "full" and any("assisted" in r for r in st["reasons"]), st["reasons"]
     assert torch.equal(ref, out)
 
