@@ -81,6 +81,18 @@ class CertStats:
         self.vocab_size = other.vocab_size or self.vocab_size
         return self
 
+    def uncertify(self, sizes: list) -> int:
+        """Rows counted certified, with these set sizes |S|, that end on stock's row: fallbacks now, and their sizes
+        leave the certified rows' (``mean_subvocab_fraction`` is over certified rows). Returns how many moved."""
+        n = min(len(sizes), self.certified)
+        self.certified -= n
+        self.fallback += n
+        for size in sizes[:n]:
+            self.subvocab_sum -= size
+            if size in self.subvocab_sizes:  # (equal sizes are interchangeable: the multiset stays exact)
+                self.subvocab_sizes.remove(size)
+        return n
+
     @property
     def certified_fraction(self) -> float:
         return self.certified / self.rows if self.rows else 0.0
@@ -652,14 +664,12 @@ class CertifiedHead:
         row of the call), counted as fallbacks and in ``near_ties``."""
         idx = rows.nonzero(as_tuple=True)[0]
         logits[idx] = self._stock_rows(Hf, Hn, d, stock)[idx].to(logits.dtype)
+        sizes = S[idx].sum(1).tolist()
         S[idx] = True
         if bound is not None:
             bound[idx] = float("-inf")
         slack[idx] = 0.0
-        n = len(idx)
-        stats.certified -= n
-        stats.fallback += n
-        stats.near_ties += n
+        stats.near_ties += stats.uncertify(sizes)
 
     # ------------------------------------------------------ threshold
     @torch.no_grad()
@@ -754,9 +764,8 @@ class CertifiedHead:
         if bad.any():  # cannot happen with sound bounds; stay correct anyway
             idx = bad.nonzero(as_tuple=True)[0]
             logits[idx] = self._stock_rows(Hf, Hn, d)[idx]
+            stats.uncertify(S[idx].sum(1).tolist())
             S[idx] = True
-            stats.certified -= int(bad.sum())
-            stats.fallback += int(bad.sum())
             tv[idx] = 0
         stats.tv_bound_max = float(tv.max()) if N else 0.0
         upper = U + self.stock_error(Hf)[:, None] if with_upper else None  # |stock − real| <= E

@@ -499,15 +499,7 @@ def rerun(c: Any, input_ids, scores, sess, last, p, bad):
     if sess.config.stats:
         # a re-run sub-vocabulary row's token now comes from stock's row: counted as the full head's, not certified
         # (a row whose set already held every token was counted where the head computed it)
-        gone = bad & ~last.mask[:, p].all(-1)
-        moved = min(int(gone.sum()), sess.stats.certified)
-        sess.stats.certified -= moved
-        sess.stats.fallback += moved
-        # and its |S| leaves the certified rows' sizes (mean_subvocab_fraction is over certified rows)
-        for size in last.mask[:, p][gone].sum(-1).tolist()[:moved]:
-            sess.stats.subvocab_sum -= size
-            if size in sess.stats.subvocab_sizes:
-                sess.stats.subvocab_sizes.remove(size)
+        sess.stats.uncertify(last.mask[:, p][bad & ~last.mask[:, p].all(-1)].sum(-1).tolist())
     B, P, d = last.H.shape
     raw = last.logits[:, p].clone()  # the stash views the model's output logits: never write into them
     idx = bad.nonzero(as_tuple=True)[0]
