@@ -269,9 +269,11 @@ class WeightProbe:
         return (rows_bits * mult).sum(-1)
 
     @classmethod
+    @torch.no_grad()
     def of(cls, head: nn.Linear) -> Optional["WeightProbe"]:
-        """The probe of ``head``'s current weights; None for a sharded (DTensor) or meta weight."""
-        w, b = head.weight, head.bias
+        """The probe of ``head``'s current weights; None for a sharded (DTensor) or meta weight. (No autograd, and
+        detached weights: a probe built under ``inference_mode`` is read in grad mode by a later call.)"""
+        w, b = head.weight.detach(), None if head.bias is None else head.bias.detach()
         if hasattr(w, "to_local") or w.device.type == "meta" or w.dim() != 2 or w.shape[0] == 0:
             return None
         g = torch.Generator().manual_seed(0x5EED)
@@ -282,6 +284,7 @@ class WeightProbe:
         bias = None if b is None or hasattr(b, "to_local") else _bits(b[rows].reshape(-1, 1))[:, 0]
         return cls(rows=rows, mult=mult, sums=cls._sums(bits, mult), bias=bias)
 
+    @torch.no_grad()
     def unchanged(self, head: nn.Linear) -> bool:
         """Whether this call's share of the sampled rows still holds the bytes the screen was built from."""
         n = len(self.rows)
@@ -289,9 +292,9 @@ class WeightProbe:
         self.turn += 1
         part = slice(start, min(start + PROBE_PER_CALL, n))
         rows = self.rows[part]
-        if not torch.equal(self._sums(_bits(head.weight[rows]), self.mult), self.sums[part]):
+        if not torch.equal(self._sums(_bits(head.weight.detach()[rows]), self.mult), self.sums[part]):
             return False
-        b = head.bias
+        b = None if head.bias is None else head.bias.detach()
         if (b is None) != (self.bias is None):
             return False
         return b is None or torch.equal(_bits(b[rows].reshape(-1, 1))[:, 0], self.bias[part])

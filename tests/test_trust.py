@@ -191,6 +191,18 @@ def test_a_lora_merge_through_data_rebuilds_the_screen(caplog):
     assert "without a version-counter bump" in caplog.text
 
 
+def test_a_screen_built_under_inference_mode_serves_a_call_in_grad_mode():
+    """The row probe is built with the screen, maybe under ``torch.inference_mode()``; a later call in grad mode reads
+    it (before: "Inference tensors cannot be saved for backward", from indexing the weight with the probe's rows)."""
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = _ids()
+    with torch.inference_mode():
+        m.generate(**x, max_new_tokens=3, csv_config=CSVConfig())
+    a = m.generate(**x, max_new_tokens=6, do_sample=False)
+    b = m.generate(**x, max_new_tokens=6, do_sample=False, csv_config=CSVConfig())
+    assert torch.equal(a, b) and m.csv_last_stats["certified"] > 0
+
+
 def test_weight_probe_sees_a_one_element_write_in_every_sampled_row():
     """The fingerprint is exact integer arithmetic: one changed element (the smallest step: one ulp) in any sampled
     row changes it, for every float dtype, within PROBE_ROWS / PROBE_PER_CALL calls."""
