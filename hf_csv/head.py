@@ -335,14 +335,14 @@ def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
         per = _HEADS.setdefault(head, {})
         entry = per.get(key)
         # the cache is keyed on the module; a changed or updated weight tensor invalidates it
-        stale = entry is not None and entry.src_key == _weight_key(head) and entry.probe is not None \
-            and not entry.probe.unchanged(head)
+        changed = entry is None or entry.src_key != _weight_key(head)
+        stale = not changed and entry.probe is not None and not entry.probe.unchanged(head)
         if stale:
             _tlog().warning(
                 "hf_csv: the head's weights changed without a version-counter bump (a write through .data, such as "
                 "peft's merge_adapter or merge_and_unload): the screen is rebuilt. Call hf_csv.refresh(model) after "
                 "such writes: this check reads a sample of rows and cannot see every write.")
-        if entry is None or stale or entry.src_key != _weight_key(head):
+        if changed or stale:
             art, index = _artifact_of(config)
             from .distributed import local_shard_of
 

@@ -71,10 +71,6 @@ def _beam_exact_reason(session: CSVSession, gc: Any, processors: list) -> Option
                 "head, which needs a fresh cache")
     if session.beam.restart:
         return session.beam.restart
-    if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
-        # (CSVConfig(scores='subvocab') too: a beam row's scores and sequences_scores are log-softmax values, which
-        # need each row's normalizer over all of V)
-        return "beam search with output_scores: its scores and sequences_scores need each row's full normalizer"
     # (an admitted name can still classify "full": a repetition penalty < 1 or a positive sequence bias raises scores)
     other = sorted({type(p).__name__ for p in processors if classify_processor(p) != "csv"
                     and (type(p).__name__ not in BEAM_PROCESSORS or classify_processor(p) == "full")})
@@ -256,6 +252,13 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                             k_head=lowered_k(1, session.head.vocab_size) if lower else 0)
         return session
     if not do_sample and num_beams > 1:
+        if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
+            # (CSVConfig(scores='subvocab') too, exact or ε: a beam row's scores and sequences_scores are log-softmax
+            # values, which need each row's normalizer over all of V)
+            session.set_full("beam search with output_scores: its scores and sequences_scores need each row's full "
+                             "normalizer")
+            _warn_beams(session, num_beams)
+            return session
         # the exact certificate wins when asked for, also under mode='epsilon' (which then covers only what it cannot)
         if cfg.mode != "epsilon" or cfg.beam_search == "exact":
             why = _beam_exact_reason(session, gc, processors) if cfg.beam_search == "exact" else (
@@ -274,10 +277,6 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
                 return session
             session.note(f"token-identical beam search declined ({why}): CSVConfig(mode='epsilon') runs the "
                          "approximate beam_epsilon certificate instead")
-        if getattr(gc, "return_dict_in_generate", False) and getattr(gc, "output_scores", False):
-            session.set_full("beam search with output_scores: its scores and sequences_scores need each row's full "
-                             "normalizer")
-            return session
         if norm and kinds["norm"] != ["LogitNormalization"]:
             session.set_full(f"beam search with normalizing processors {kinds['norm']}")
             return session
