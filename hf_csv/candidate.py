@@ -134,8 +134,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
             summary["mode"] = sess.mode
         summary["reasons"] += [r for r in sess.reasons if r not in summary["reasons"]]
         stats.merge(sess.stats)
-        if stats.rows:
-            summary.update(stats.as_dict())
+        summary.update(stats.as_dict())  # every key, zeros included, as the target's summary has (every row counted)
         summary.update(row_totals(stats, summary["declined_rows"]))
         return out
 

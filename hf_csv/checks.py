@@ -242,23 +242,47 @@ def normalizer_terms(x: torch.Tensor, up: torch.Tensor, outside: torch.Tensor
     return m, zs, z_hi, C
 
 
-def confidence_unsure(scores: torch.Tensor, S: torch.Tensor, up: torch.Tensor, threshold: float) -> torch.Tensor:
+def confidence_unsure(scores: torch.Tensor, S: torch.Tensor, up: torch.Tensor, threshold: float,
+                      lo: Optional[torch.Tensor] = None, hi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows on which stock's confidence stop (transformers' ``ConfidenceCriteria``: ``softmax(scores)[t] <
     threshold`` at the drafted token t, a greedy draft's argmax) may decide otherwise than on this row
     (docs/certificates.md §3.11).
 
-    ``scores``: float32 rows, stock's values on S (which holds each row's max) and −inf elsewhere; ``up``: float64
-    upper bounds on stock's value of every token. Stock's normalizer Z = Σ_V e^{x_i − m} lies in [Z_S, Z_hi] and its
-    float32 sum in any order errs by at most C (:func:`normalizer_terms`); the numerator e^{x_t − m} = e^0 is exact,
-    and one reciprocal and one product round by u each. So stock's probability and this row's (the same sum over S
-    alone) both lie in [(1 − 4u)/(Z_hi + C), (1 + 4u)/(Z_S − C)]: a row whose interval lies on one side of the
-    threshold gets stock's decision; every other row is unsure (its full row is then computed)."""
+    ``scores``: float32 rows, −inf outside S; S holds each row's max, whose token is stock's argmax (the top-1
+    certificate and the check before this one). ``lo``/``hi``: bounds on stock's value of each token of S, where
+    the values carry a slack (the head's own values, §2.0); None: ``scores`` are stock's values. ``up``: float64
+    upper bounds on stock's value of every token. With m = x_t, stock's normalizer Z = Σ_V e^{x_i − m} lies in
+    [Z_lo, Z_up] (each term of S between its bounds' extremes, t's own exactly 1, every term <= 1 since t is the
+    max, the others below e^{up_i − m}), and its float32 sum in any order errs by at most C (:func:`round_charge`
+    on the terms' upper bounds, as :func:`normalizer_terms`). The numerator e^0 = 1 is exact; one reciprocal and
+    one product round by u each. So stock's probability, and this row's (its own values lie within the same
+    bounds, S alone), lie in [(1 − 4u)/(Z_up + C), (1 + 4u)/(Z_lo − C)]: a row whose interval lies on one side of
+    the threshold gets stock's decision; every other row is unsure (its full row is then computed)."""
     x = scores.double()
-    _, zs, z_hi, C = normalizer_terms(x, up, ~S)
-    lo = (1 - 4 * U32) / (z_hi + C)
-    hi = (1 + 4 * U32) / (zs - C)
-    usable = (zs - C > 0) & torch.isfinite(z_hi) & torch.isfinite(zs)
-    return ~(usable & ((lo >= threshold) | (hi < threshold)))
+    lo = x if lo is None else lo.double()
+    hi = x if hi is None else hi.double()
+    fin = torch.isfinite(x)
+    zero = torch.zeros_like(x)
+    t = torch.where(fin, x, torch.full_like(x, float("-inf"))).argmax(1, keepdim=True)
+    lo_t, hi_t = lo.gather(1, t), hi.gather(1, t)
+    others = fin.scatter(1, t, False)
+    outside = ~S
+    # each term e^{x_i − m} between its bounds (<= 1: m is the max); t's own term is 1
+    t_lo = torch.where(others, torch.exp((lo - hi_t).clamp(max=0.0)), zero)
+    t_up = torch.where(others, torch.exp((hi - lo_t).clamp(max=0.0)), zero)
+    t_out = torch.where(outside, torch.exp((up - lo_t).clamp(max=0.0)), zero)
+    z_lo = 1.0 + t_lo.sum(1)
+    z_up = 1.0 + t_up.sum(1) + t_out.sum(1)
+    # lower bounds on m − x_i (the charge's d), 0 for t itself
+    d_s = torch.where(others, (lo_t - hi).clamp(min=0.0), zero)
+    d_o = torch.where(outside, (lo_t - up).clamp(min=0.0), zero)
+    one = torch.zeros_like(z_lo)[:, None] + 1.0
+    C = (round_charge(torch.cat([t_up, one], 1), torch.cat([d_s, torch.zeros_like(one)], 1), z_up)
+         + round_charge(t_out, d_o, z_up) + 64 * U32 * z_up)
+    p_lo = (1 - 4 * U32) / (z_up + C)
+    p_hi = (1 + 4 * U32) / (z_lo - C)
+    usable = (z_lo - C > 0) & torch.isfinite(z_up) & torch.isfinite(lo_t[:, 0]) & torch.isfinite(hi_t[:, 0])
+    return ~(usable & ((p_lo >= threshold) | (p_hi < threshold)))
 
 
 def logprob_box(raw: torch.Tensor, S: torch.Tensor, up: torch.Tensor

@@ -169,11 +169,17 @@ class TopK(Plan):
             bad, ts = timestamp_unsure(sess, self.ts_proc, input_ids, scores, ob, last.mask[:, p])
         else:
             bad = checks.topk_unsure(scores, ob, k)
-            if last.slack is not None and not sess.draft:
+            # values within their slack of stock's (§2.0): the set after the processors is proven within it. A
+            # draft's own tokens count too (they fix the target's verify shapes, §3.11); with no processor before
+            # the check its argmax is the head's, which the head proved within the slack itself
+            if last.slack is not None and (not sess.draft or prefix(c, sess).runs):
                 bad |= set_undecided(c, input_ids, scores, sess, last, p, k, ob)
         if self.confidence:
             up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
-            bad |= checks.confidence_unsure(scores, last.mask[:, p], up, self.confidence)
+            lo = hi = None
+            if last.slack is not None and last.acc is not None and bool((last.slack[:, p] > 0).any()):
+                lo, hi = processed_interval(c, input_ids, sess, last, p, scores)  # stock's values on S lie within
+            bad |= checks.confidence_unsure(scores, last.mask[:, p], up, self.confidence, lo, hi)
         out = rerun(c, input_ids, scores, sess, last, p, bad)
         if sess.whisper.record:
             record_lp(sess, input_ids, out, last, p, bad, ts)

@@ -145,9 +145,15 @@ def _subset_exact(session: CSVSession) -> bool:
 def _reads_values(session: CSVSession, gc: Any) -> Optional[str]:
     """Why this plan needs the values on S to be stock's bit for bit (it hands them to stock's sampler, verify or
     timestamp / log-prob rules, or returns them as scores), or ``None`` where it only takes decisions that the
-    values' slack is checked against (greedy argmax, hf_csv's own draws) or serves a draft (any law is fine there)."""
+    values' slack is checked against (greedy argmax and a greedy draft's confidence stop, hf_csv's own draws) or
+    serves a draft whose law is all that counts. A sampled draft on the checked top-k plan hands its rows to stock's
+    sampler and verify as stock's draft's (docs/speculative.md, "top-k path, same tokens"): it reads them."""
     plan = session.plan
-    if isinstance(plan, (Full, Sample)) or session.draft:
+    if isinstance(plan, (Full, Sample)):
+        return None
+    if session.draft:
+        if isinstance(plan, TopK) and plan.check_after is not None:
+            return "a sampled draft on the checked top-k plan (stock's sampler and verify read its values)"
         return None
     if isinstance(plan, (Threshold, Nucleus, Bounded, ExactBeam)) or (isinstance(plan, Epsilon) and plan.beams):
         return f"mode {plan.name!r} (stock's warper or verify reads the values)"

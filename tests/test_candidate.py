@@ -3,6 +3,7 @@ quantized assistants, the draft's confidence stop), and assisted top-k sampling 
 tokens, token for token, also under a differential fuzzer."""
 import contextlib
 import copy
+import functools
 import os
 import random
 
@@ -117,6 +118,89 @@ def test_a_declined_target_with_a_certified_draft_keeps_stocks_scores():
     assert st["mode"] == "full" and st["draft"]["certified"] > 0, st
     assert lo == lr and torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ref.scores, out.scores)) and len(ref.scores) == len(out.scores)
+
+
+def _values_anywhere_in_their_slack(monkeypatch, slack, top_up=True):
+    """The head's contract for its own values (docs/certificates.md §2.0): each lies within its reported slack of
+    stock's accumulator, nothing more. Here every value of a sub-vocabulary row is stock's accumulator moved by half a
+    slack of at least ``slack`` (the reported slack raised to it): the row's top up and the others down (``top_up``),
+    else even tokens up and odd ones down. Both are values the proofs must take; the top-1 epilogue is off, so every
+    row runs through ``_values``."""
+    from hf_csv.certificate import CertifiedHead
+
+    orig = CertifiedHead._values
+
+    def values(self, r, t, Hf, Hn, value_dtype, sorted_one_row=False, with_slack=False, subset=None):
+        got = orig(self, r, t, Hf, Hn, value_dtype, sorted_one_row=sorted_one_row, with_slack=with_slack,
+                   subset=subset)
+        if not with_slack or self.weight.dtype != torch.float32 or t.numel() == 0:
+            return got
+        ent = got[2].clamp(min=slack)
+        stock = torch.nn.functional.linear(Hf, self.weight, self.bias)
+        if top_up:
+            sign = torch.where(t == stock.argmax(1)[r], 1.0, -1.0)
+        else:
+            sign = torch.where(t % 2 == 0, 1.0, -1.0)
+        new = stock[r, t] + 0.5 * ent * sign
+        return new, new, ent
+
+    monkeypatch.setattr(CertifiedHead, "_values", values)
+    monkeypatch.setattr(CertifiedHead, "_top1_native", lambda self, *a, **k: None)
+
+
+def _first_draft_probability(t, ids, **kw):
+    """Stock's probability of the first drafted token of the first round, as its ``ConfidenceCriteria`` reads it."""
+    from transformers.generation.stopping_criteria import ConfidenceCriteria
+
+    seen, orig = [], ConfidenceCriteria.__call__
+
+    def rec(self, input_ids, scores, **k):
+        seen.append(float(scores[-1].softmax(-1)[0, input_ids[0, -1]]))
+        return orig(self, input_ids, scores, **k)
+
+    ConfidenceCriteria.__call__ = rec
+    try:
+        t.generate(ids, **kw)
+    finally:
+        ConfidenceCriteria.__call__ = orig
+    return seen[0]
+
+
+def test_the_drafts_confidence_stop_holds_wherever_its_values_lie_in_their_slack(monkeypatch):
+    """The head's own values are only within their slack of stock's (a BLAS rounds a column subset otherwise, §2.0).
+    The confidence stop's interval must hold for any such values: with the draft's top value raised and the others
+    lowered by half a slack, and the threshold between stock's first draft probability and the one on those values,
+    stock stops after one token. Before: the interval was taken around the values as if they were stock's, the row
+    was called sure, and the draft went on (7 target positions for stock's 5)."""
+    t, d = _audit_pair(97, torch.float32, 40.0, 0, 0.02, 100)
+    ids = torch.tensor([[37, 24, 44, 53]])
+    kw = dict(assistant_model=d, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    d.generation_config.assistant_confidence_threshold = 1e-9
+    p_stock = _first_draft_probability(t, ids, **kw)
+    d.generation_config.assistant_confidence_threshold = p_stock * 1.006  # the moved values give ~1.2 % more
+    ref, lr = _lengths_and_out(t, ids, None, **kw)
+    _values_anywhere_in_their_slack(monkeypatch, 0.05)
+    out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
+    st = t.csv_last_stats
+    assert lr[0] == ids.shape[1] + 1  # stock's first round drafted one token (the premise)
+    assert lo == lr and torch.equal(out, ref)
+    assert st["draft"]["verify_reruns"] > 0, st["draft"]
+
+
+def test_a_greedy_drafts_tokens_after_a_processor_hold_wherever_its_values_lie_in_their_slack(monkeypatch):
+    """A greedy draft's tokens fix the target's verify shapes, so after a repetition penalty its argmax must be
+    stock's draft's for any values within their slack, as the target's is (§2.0). Before, the draft's check skipped
+    the slack: with even tokens' values raised and odd ones' lowered by half a slack of 0.05, a round drafted other
+    tokens (target positions [.., 21, 17, 16] for stock's [.., 21, 20, 17, 16])."""
+    t, d = _audit_pair(97, torch.float32, 40.0, 2, 0.02, 102)
+    d.generation_config.assistant_confidence_threshold = 0.0
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(assistant_model=d, max_new_tokens=24, do_sample=False, pad_token_id=0, repetition_penalty=1.6)
+    ref, lr = _lengths_and_out(t, ids, None, **kw)
+    _values_anywhere_in_their_slack(monkeypatch, 0.05, top_up=False)
+    out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
+    assert lo == lr and torch.equal(out, ref)
+    assert t.csv_last_stats["draft"]["certified"] > 0
 
 
 def test_draft_stats_count_the_rows_the_speed_guard_sent_to_the_full_head(monkeypatch):
@@ -482,6 +566,45 @@ def wide_pair():
         for p in draft.model.layers.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return hf_csv.enable(target), draft
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_sampled_draft_on_the_checked_plan_needs_stocks_values(wide_pair, monkeypatch, exact):
+    """A sampled draft on the checked top-k plan hands its rows to stock's sampler and verify as stock's draft's, so
+    its values on S must be stock's bit for bit, as the target's must: where the column-subset probe finds no kernel
+    that gives them, the draft takes the full head with that reason (the target keeps its own plan). Before, a
+    draft never asked the probe: with values within their slack but not stock's, the candidate logits the verify
+    read were not stock's draft's."""
+    from hf_csv.certificate import CertifiedHead
+    import transformers.generation.utils as gu
+
+    target, draft = wide_pair
+    monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: exact)
+    seen, orig = [], gu._speculative_sampling
+
+    @functools.wraps(orig)  # (its signature: hf_csv._compat checks the one it patches)
+    def record(candidate_input_ids, candidate_logits, *a, **k):
+        seen.append(candidate_logits.clone())
+        return orig(candidate_input_ids, candidate_logits, *a, **k)
+
+    monkeypatch.setattr(gu, "_speculative_sampling", record)
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    gen = dict(do_sample=True, top_k=20, max_new_tokens=12, pad_token_id=0, assistant_model=draft)
+    with _constant_draft_length(draft, 4):
+        torch.manual_seed(0)
+        ref = target.generate(ids, **gen)
+        want, seen[:] = list(seen), []
+        if not exact:
+            _values_anywhere_in_their_slack(monkeypatch, 0.0, top_up=False)  # in-contract values, not stock's bits
+        torch.manual_seed(0)
+        out = target.generate(ids, csv_config=CSVConfig(), return_dict_in_generate=True, **gen)
+    d = out.csv_stats["draft"]
+    if exact:
+        assert d["mode"] == "topk" and d["certified"] > 0, d
+        return
+    assert d["mode"] == "full" and any("column subset" in r for r in d["reasons"]), d
+    assert torch.equal(out.sequences, ref) and len(seen) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(seen, want))
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
