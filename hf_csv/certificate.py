@@ -594,10 +594,11 @@ class CertifiedHead:
         stats = CertStats(vocab_size=self.vocab_size)
         est, U, top = self._screen(Hf)
         if (own_values and k == 1 and top is not None and self._top1 is not None and not always
-                and not with_upper and k_min is None and subset is None and d == self.weight.dtype
-                and Hf.device.type == "cpu"):
+                and k_min is None and subset is None and d == self.weight.dtype and Hf.device.type == "cpu"):
             res = self._top1_native(Hf, est, U, top, stats)
             if res is not None:
+                if with_upper:  # the same bounds as below: |stock − real| <= E
+                    res.upper = U + self.stock_error(Hf)[:, None]
                 return res
         if k == 1:  # the seed: est's top (found in the screen's own pass where it can)
             seeds = (top if top is not None else est.argmax(1)).view(N, 1)

@@ -108,6 +108,7 @@ class CSVSession:
     post_checked: bool = False  # the run-time guard of the post-head map ran for this call
     force_full: Optional[str] = None  # a reason decided before generate started
     processors: Any = None  # the LogitsProcessorList generate built (when known)
+    input_len: Optional[int] = None  # the length generate's sequences start at (its processors only see longer)
     replaced: Any = None  # the processor whose place the CSVLogitsProcessor took in that list (Nucleus: top-p)
     assisted: bool = False  # generate(assistant_model=...) or prompt lookup on this (target) model
     draft: bool = False  # this is the assistant model's session inside a candidate generator

@@ -32,7 +32,7 @@ from .certificate import value_interval
 from .errors import CSVError
 
 __all__ = ["Plan", "Full", "TopK", "Threshold", "Nucleus", "Bounded", "Sample", "ExactBeam", "Epsilon", "FULL",
-           "classify_processor", "masks_only", "classify_stopping_criterion", "SPEC_EPS", "BEAM_EPS"]
+           "classify_processor", "inert", "masks_only", "classify_stopping_criterion", "SPEC_EPS", "BEAM_EPS"]
 
 # Bounded plan (assisted sampling): S holds all but about this fraction of a row's mass (upper bound), so the verify's
 # interval for the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only (the
@@ -115,7 +115,10 @@ class TopK(Plan):
     A sampled draft without a top-k: ``fill_est`` gives the uncomputed tokens the screen's estimates.
     ``own_values``: the call proves every decision on the values within their slack and never hands them to stock's
     code as stock's (hf_csv.policy sets it where no reason to read them exists), so
-    the head may compute them itself (``CertifiedHead.topk(own_values=True)``)."""
+    the head may compute them itself (``CertifiedHead.topk(own_values=True)``). ``stock_values``: the values on S
+    are stock's bits, through the kernel the column-subset probe found for this head (docs/certificates.md §2.0,
+    the premise every value-reading plan runs on): the confidence check then takes them as stock's; without it,
+    it takes them within their slack."""
 
     name: ClassVar[str] = "topk"
     k: int = 1
@@ -126,6 +129,7 @@ class TopK(Plan):
     confidence: float = 0.0
     fill_est: bool = False
     own_values: bool = False
+    stock_values: bool = False
 
     def head(self, ch, H, sess, keys=None):
         kw: dict = {"always": self.always} if self.always else {}
@@ -177,7 +181,8 @@ class TopK(Plan):
         if self.confidence:
             up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
             lo = hi = None
-            if last.slack is not None and last.acc is not None and bool((last.slack[:, p] > 0).any()):
+            if (not self.stock_values and last.slack is not None and last.acc is not None
+                    and bool((last.slack[:, p] > 0).any())):
                 lo, hi = processed_interval(c, input_ids, sess, last, p, scores)  # stock's values on S lie within
             bad |= checks.confidence_unsure(scores, last.mask[:, p], up, self.confidence, lo, hi)
         out = rerun(c, input_ids, scores, sess, last, p, bad)
@@ -430,7 +435,7 @@ def prefix(c: Any, sess: Any) -> _Prefix:
             if proc is c:
                 break
             every.append(proc)
-        ident = [getattr(proc, "csv_identity", False) for proc in every]
+        ident = [getattr(proc, "csv_identity", False) or inert(proc, sess.input_len) for proc in every]
         got = sess.check_prefix = _Prefix(
             owner=c, every=tuple(every),
             orders=tuple(p for p, i in zip(every, ident) if not i and classify_processor(p) == "order"),
@@ -698,6 +703,19 @@ def classify_processor(p: Any) -> str:
     if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
         return "full"  # a finite filter value leaves the filtered tokens some mass
     return KIND.get(name, "full")
+
+
+def inert(p: Any, input_len: Optional[int]) -> bool:
+    """Whether stock's processor ``p`` returns its input unchanged at every step of a call whose sequences start at
+    ``input_len`` tokens (they only grow; None: unknown): a minimum length already reached. transformers gives every
+    assistant call ``min_new_tokens=0``, which becomes a ``MinLengthLogitsProcessor`` at the input length (it masks
+    EOS only while ``input_ids.shape[-1] < min_length``, 4.57 and 5.x). Such a processor lowers nothing in the call."""
+    name = type(p).__name__
+    if name == "MinLengthLogitsProcessor" and input_len is not None:
+        return int(getattr(p, "min_length", 1 << 62)) <= input_len
+    if name == "MinNewTokensLengthLogitsProcessor":  # masks while (length − prompt) < min_new_tokens
+        return int(getattr(p, "min_new_tokens", 1)) <= 0
+    return False
 
 
 def masks_only(processors: Any) -> bool:

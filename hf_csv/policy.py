@@ -17,7 +17,7 @@ from .certificate import fp32_matmul_reason
 from .config import lowered_k
 from .head import CSVSession, _tlog
 from .plan import (BEAM_PROCESSORS, LAW_ORDERS, Bounded, Epsilon, ExactBeam, Full, Nucleus, Plan, Sample, Threshold,
-                   TopK, classify_processor, classify_stopping_criterion, masks_only)
+                   TopK, classify_processor, classify_stopping_criterion, inert, masks_only)
 from .static import StaticTopK
 from .step import call_guard, guard_key
 
@@ -125,6 +125,11 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
             session.set_full(f"Whisper's no-speech detection reads the first step's scores in a {plan.name!r} "
                              "round: full head")
     plan = session.plan
+    if isinstance(plan, TopK) and plan.confidence and _subset_exact(session):
+        # the draft's confidence stop reads its values: stock's bits (the probed kernel) give the check its tight
+        # interval, where the head's own values would leave it their slack and send more rows to stock's head
+        session.plan = replace(plan, stock_values=True)
+        return session.plan
     if isinstance(plan, TopK) and plan.k == 1 and plan.k_head <= 1 and _reads_values(session, generation_config) is None:
         # every decision on its values is proven within their slack: hf_csv's own values serve (the native epilogue)
         session.plan = replace(plan, own_values=True)
@@ -214,7 +219,8 @@ def _decide(session: CSVSession, generation_config: Any, processors: list) -> CS
         return session
     kinds: dict = {}
     for p in processors:
-        kinds.setdefault(classify_processor(p), []).append(type(p).__name__)
+        if not inert(p, session.input_len):  # (an assistant's minimum length at its input length: no 'lower' kind)
+            kinds.setdefault(classify_processor(p), []).append(type(p).__name__)
     if "full" in kinds:
         session.set_full(f"processors that can raise uncomputed scores or read all logits: {kinds['full']}")
         return session
@@ -522,8 +528,10 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
             session.set_full(f"greedy draft with a confidence stop after {post.describe()}: its decisions are proved "
                              "on the head's own logits only")
             return session
+        # (a confidence stop reads the row's normalizer: a wider set leaves less mass bounded from the screen, so
+        # fewer rows for stock's head; the draft's token is still the certified top-1)
         session.plan = TopK(k=1, verify=lower or not post.identity or thr > 0,
-                            k_head=lowered_k(1, session.head.vocab_size) if lower else 0, confidence=thr)
+                            k_head=lowered_k(1, session.head.vocab_size) if lower or thr else 0, confidence=thr)
         return session
     if not post.keeps_neg_inf:
         session.set_full(f"sampled draft after {post.describe()}")

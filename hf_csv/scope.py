@@ -111,6 +111,8 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         if sess is None:
             return procs
         gc = kwargs.get("generation_config", args[0] if args else None)
+        n = kwargs.get("input_ids_seq_length", args[1] if len(args) > 1 else None)
+        sess.input_len = int(n) if isinstance(n, int) else None
         # one CSVLogitsProcessor, last (a user's instance is reused, keeping its records)
         # an assistant's generate receives the target's processors, whose CSVLogitsProcessor is bound
         # to the target's session: a draft session never takes it over, it gets its own

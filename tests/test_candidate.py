@@ -124,8 +124,9 @@ def _values_anywhere_in_their_slack(monkeypatch, slack, top_up=True):
     """The head's contract for its own values (docs/certificates.md §2.0): each lies within its reported slack of
     stock's accumulator, nothing more. Here every value of a sub-vocabulary row is stock's accumulator moved by half a
     slack of at least ``slack`` (the reported slack raised to it): the row's top up and the others down (``top_up``),
-    else even tokens up and odd ones down. Both are values the proofs must take; the top-1 epilogue is off, so every
-    row runs through ``_values``."""
+    else even tokens up and odd ones down. Both are values the proofs must take on a host whose BLAS rounds a column
+    subset otherwise than the full call, where the probe finds no kernel with stock's bits (so no plan takes them as
+    stock's); the top-1 epilogue is off, so every row runs through ``_values``."""
     from hf_csv.certificate import CertifiedHead
 
     orig = CertifiedHead._values
@@ -146,6 +147,7 @@ def _values_anywhere_in_their_slack(monkeypatch, slack, top_up=True):
 
     monkeypatch.setattr(CertifiedHead, "_values", values)
     monkeypatch.setattr(CertifiedHead, "_top1_native", lambda self, *a, **k: None)
+    monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: False)
 
 
 def _first_draft_probability(t, ids, **kw):
@@ -201,6 +203,43 @@ def test_a_greedy_drafts_tokens_after_a_processor_hold_wherever_its_values_lie_i
     out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
     assert lo == lr and torch.equal(out, ref)
     assert t.csv_last_stats["draft"]["certified"] > 0
+
+
+@pytest.mark.parametrize("thr,exact", [(0.0, True), (0.4, True), (0.4, False)])
+def test_a_greedy_drafts_plan_follows_its_confidence_stop_and_the_probe(pair, monkeypatch, thr, exact):
+    """transformers gives every assistant call a ``MinLengthLogitsProcessor`` at its input length, which never
+    masks: it is no lowering processor, so a draft without a confidence stop runs the plain top-1 on its own values
+    (the native epilogue where built). A confidence stop reads the row's normalizer: a wider set (less mass bounded
+    from the screen), and stock's bits where the column-subset probe finds its kernel, else the values within their
+    slack (§3.11). Tokens are stock's either way."""
+    from hf_csv import scope
+    from hf_csv.certificate import CertifiedHead
+
+    target, draft = pair
+    monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: exact)
+    plans, decide = [], scope.decide_mode
+
+    def spy(sess, gc, procs):
+        plan = decide(sess, gc, procs)
+        if sess.draft:
+            plans.append((plan, [type(p).__name__ for p in procs]))
+        return plan
+
+    monkeypatch.setattr(scope, "decide_mode", spy)
+    draft.generation_config.assistant_confidence_threshold = thr
+    try:
+        plain = target.generate(IDS, max_new_tokens=16, do_sample=False)
+        out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=False, csv_config=CSVConfig())
+    finally:
+        draft.generation_config.assistant_confidence_threshold = 0.4
+    assert torch.equal(out, plain)
+    assert plans and all("MinLengthLogitsProcessor" in names for _, names in plans)
+    for plan, _ in plans:
+        assert plan.name == "topk" and plan.k == 1 and plan.confidence == thr
+        if not thr:
+            assert plan.k_head == 0 and plan.own_values and not plan.stock_values, plan
+        else:
+            assert plan.k_head > 1 and not plan.own_values and plan.stock_values == exact, plan
 
 
 def test_draft_stats_count_the_rows_the_speed_guard_sent_to_the_full_head(monkeypatch):
