@@ -174,9 +174,11 @@ class TopK(Plan):
         else:
             bad = checks.topk_unsure(scores, ob, k)
             # values within their slack of stock's (§2.0): the set after the processors is proven within it. A
-            # draft's own tokens count too (they fix the target's verify shapes, §3.11); with no processor before
-            # the check its argmax is the head's, which the head proved within the slack itself
-            if last.slack is not None and (not sess.draft or prefix(c, sess).runs):
+            # draft's own tokens count too (they fix the target's verify shapes, §3.11); a draft's top-1 call with no
+            # processor before the check has the head's argmax, which the head proved within the slack itself (a
+            # wider call, k_head, does not); values that are stock's bits (the probed kernel) need no interval
+            head_proved = sess.draft and self.k_head <= self.k and not prefix(c, sess).runs
+            if last.slack is not None and not (head_proved or self.stock_values):
                 bad |= set_undecided(c, input_ids, scores, sess, last, p, k, ob)
         if self.confidence:
             up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)

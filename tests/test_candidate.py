@@ -189,15 +189,18 @@ def test_the_drafts_confidence_stop_holds_wherever_its_values_lie_in_their_slack
     assert st["draft"]["verify_reruns"] > 0, st["draft"]
 
 
-def test_a_greedy_drafts_tokens_after_a_processor_hold_wherever_its_values_lie_in_their_slack(monkeypatch):
-    """A greedy draft's tokens fix the target's verify shapes, so after a repetition penalty its argmax must be
-    stock's draft's for any values within their slack, as the target's is (§2.0). Before, the draft's check skipped
-    the slack: with even tokens' values raised and odd ones' lowered by half a slack of 0.05, a round drafted other
-    tokens (target positions [.., 21, 17, 16] for stock's [.., 21, 20, 17, 16])."""
+@pytest.mark.parametrize("rep,thr", [(1.6, 0.0), (1.0, 0.3)], ids=["penalty", "confidence_set"])
+def test_a_greedy_drafts_tokens_hold_wherever_its_values_lie_in_their_slack(monkeypatch, rep, thr):
+    """A greedy draft's tokens fix the target's verify shapes, so its argmax must be stock's draft's for any values
+    within their slack, as the target's is (§2.0): after a repetition penalty, and where a confidence stop widens
+    the head's set (a top-k call: the head proves no argmax itself). With even tokens' values raised and odd ones'
+    lowered by half a slack of 0.05, rounds drafted other tokens before: the draft's check skipped the slack (target
+    positions [.., 21, 17, 16] for stock's [.., 21, 20, 17, 16]), and, once the assistant's inert minimum length was
+    no processor, the widened set's argmax went unchecked ([24, 4, 21, 15, ..] for stock's [24, 4, 21, 21, 14, ..])."""
     t, d = _audit_pair(97, torch.float32, 40.0, 2, 0.02, 102)
-    d.generation_config.assistant_confidence_threshold = 0.0
+    d.generation_config.assistant_confidence_threshold = thr
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2))
-    kw = dict(assistant_model=d, max_new_tokens=24, do_sample=False, pad_token_id=0, repetition_penalty=1.6)
+    kw = dict(assistant_model=d, max_new_tokens=24, do_sample=False, pad_token_id=0, repetition_penalty=rep)
     ref, lr = _lengths_and_out(t, ids, None, **kw)
     _values_anywhere_in_their_slack(monkeypatch, 0.05, top_up=False)
     out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
