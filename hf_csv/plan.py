@@ -21,9 +21,10 @@ scores; every guarantee is the one of its docs/certificates.md section (below), 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -168,6 +169,9 @@ class TopK(Plan):
             # a sampled draft may use any distribution it returns; it only needs a finite row
             return rerun(c, input_ids, scores, sess, last, p, ~torch.isfinite(scores.amax(1).float()))
         ob = outside_bound(c, input_ids, sess, last, p)
+        # the processed bounds of stock's values at p, computed at most once (the set check and the confidence
+        # stop's may both read them)
+        box = functools.cache(lambda: processed_interval(c, input_ids, sess, last, p, scores))
         ts = None
         if self.ts_proc is not None:
             bad, ts = timestamp_unsure(sess, self.ts_proc, input_ids, scores, ob, last.mask[:, p])
@@ -179,13 +183,13 @@ class TopK(Plan):
             # wider call, k_head, does not); values that are stock's bits (the probed kernel) need no interval
             head_proved = sess.draft and self.k_head <= self.k and not prefix(c, sess).runs
             if last.slack is not None and not (head_proved or self.stock_values):
-                bad |= set_undecided(c, input_ids, scores, sess, last, p, k, ob)
+                bad |= set_undecided(scores, last, p, k, ob, box)
         if self.confidence:
             up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
             lo = hi = None
             if (not self.stock_values and last.slack is not None and last.acc is not None
                     and bool((last.slack[:, p] > 0).any())):
-                lo, hi = processed_interval(c, input_ids, sess, last, p, scores)  # stock's values on S lie within
+                lo, hi = box()  # stock's values on S lie within
             bad |= checks.confidence_unsure(scores, last.mask[:, p], up, self.confidence, lo, hi)
         out = rerun(c, input_ids, scores, sess, last, p, bad)
         if sess.whisper.record:
@@ -491,14 +495,15 @@ def processed_interval(c: Any, input_ids, sess, last, p, scores: Optional[torch.
     return (_before_me(c, input_ids, lo, sess).float(), _before_me(c, input_ids, hi, sess).float())
 
 
-def set_undecided(c: Any, input_ids, scores, sess, last, p, k, ob) -> torch.Tensor:
+def set_undecided(scores, last, p, k, ob, box: Callable[[], tuple]) -> torch.Tensor:
     """Rows whose processed top-``k`` set could differ from stock's (docs/certificates.md §2.0): the values on S
-    are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)]; the set T of our
-    top k is stock's when min over T of f(lo) exceeds every other token's f(hi) and the bound outside S."""
+    are within their slack of stock's, so each token's processed score lies in [f(lo), f(hi)] = ``box()``
+    (:func:`processed_interval`); the set T of our top k is stock's when min over T of f(lo) exceeds every other
+    token's f(hi) and the bound outside S."""
     slack = last.slack[:, p]
     if last.acc is None or not bool((slack > 0).any()):
         return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    f_lo, f_hi = processed_interval(c, input_ids, sess, last, p, scores)
+    f_lo, f_hi = box()
     return checks.set_unsure(scores, f_lo, f_hi, k, ob, slack)
 
 
