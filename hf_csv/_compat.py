@@ -44,7 +44,8 @@ from typing import Optional
 from .errors import UnsupportedVersionError
 
 __all__ = ["Support", "SUPPORTED", "CACHE_KWARGS", "cache_kwarg", "caller_passed_cache", "support", "unsupported_reason",
-           "check_transformers_version", "generation_setting", "speculative_gen_utils", "transformers_version"]
+           "check_transformers_version", "generation_setting", "speculative_gen_utils", "transformers_version",
+           "adapts_confidence_threshold"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,27 @@ def cache_kwarg(version: Optional[str] = None) -> str:
 
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def adapts_confidence_threshold(gen: object) -> bool:
+    """Whether stock's candidate generator ``gen`` re-chooses its confidence threshold after every round.
+
+    Stock does so exactly when scikit-learn is importable, the assistant's generation config has a non-zero
+    ``assistant_confidence_threshold`` (transformers' default is 0.4) and ``gen`` is exactly an
+    ``AssistedCandidateGenerator``: it keeps softmax(draft scores)[drafted token] of every drafted token and takes the
+    ROC curve's best cut as the next threshold. Those probabilities read the draft's *whole* processed row, so a
+    draft whose rows are finite only on a certified set would give other thresholds and other draft lengths. 5.x
+    reads the config from the generator's own copy, 4.57 from the assistant model's
+    (:attr:`Support.assistant_config_attr`)."""
+    from transformers.generation import candidate_generator as cg
+
+    if type(gen) is not cg.AssistedCandidateGenerator or not cg.is_sklearn_available():
+        return False
+    attr = (support() or SUPPORTED[max(SUPPORTED)]).assistant_config_attr
+    config = getattr(gen, attr, None) if attr else None
+    if config is None:
+        config = getattr(getattr(gen, "assistant_model", None), "generation_config", None)
+    return bool(getattr(config, "assistant_confidence_threshold", None))
 
 
 def caller_passed_cache(kwargs: dict) -> bool:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ._compat import SUPPORTED, support
+from ._compat import SUPPORTED, adapts_confidence_threshold, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
@@ -121,6 +121,9 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         sess.gumbel = main.gumbel
         if main.gumbel is None and isinstance(main.plan, Full):  # a declined call returns stock's tokens
             sess.assist.stock_drafts = main.reasons[0] if main.reasons else "the target's call is declined"
+        if main.gumbel is None and adapts_confidence_threshold(gen):
+            sess.assist.stock_rows = ("the assistant's confidence threshold adapts from the draft's full softmax "
+                                      "after each round (scikit-learn is installed)")
         if main.gumbel is not None and config.draft_head == "full" and sess.force_full is None:
             sess.force_full = "CSVConfig(draft_head='full'): the draft's coupled draw runs on the full head"
         with certified(assistant, sess), _coupled_confidence(gen, sess):

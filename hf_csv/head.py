@@ -75,6 +75,9 @@ class AssistRecord:
     # a draft session whose target call was declined (the target's reason): its drafts must be stock's draft's, so
     # that the declined call returns stock's tokens (hf_csv.policy._decide_draft)
     stock_drafts: Optional[str] = None
+    # a draft session whose returned rows stock reads whole (why: stock's ROC adaptation of the confidence threshold,
+    # hf_csv._compat.adapts_confidence_threshold): only a plan whose processed rows are stock's bits keeps certified
+    stock_rows: Optional[str] = None
 
 
 @dataclass

@@ -512,12 +512,18 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
     -inf (with a top-k warper) or the screen's estimate (without one); the draft samples from exactly the
     logits it returns as candidate logits, which is all speculative sampling needs to stay lossless (the
     target's verification is exact). Those drafts are not stock's draws, so where the target's call is declined
-    (``session.assist.stock_drafts``: it must return stock's tokens) the draft takes the full head instead.
+    (``session.assist.stock_drafts``: it must return stock's tokens) the draft takes the full head instead. Where
+    stock reads the draft's rows whole (``session.assist.stock_rows``: the confidence threshold's ROC adaptation with
+    scikit-learn installed), only the checked top-k plan, whose processed rows are stock's bits, stays certified.
     """
     cfg = session.config
     lower = "lower" in kinds
     post = session.post
     if not do_sample:
+        if session.assist.stock_rows is not None:
+            # greedy drafts return rows finite on S only: stock's softmax over them is not stock's probability
+            session.set_full(f"greedy draft: {session.assist.stock_rows}")
+            return session
         if "norm" in kinds:
             session.set_full(f"greedy draft with normalizing processors {kinds['norm']}")
             return session
@@ -547,6 +553,10 @@ def _decide_draft(session: CSVSession, gc: Any, kinds: dict, do_sample: bool, to
         # stock's draws, and stock's verify would then accept other tokens
         session.set_full(f"sampled draft of a declined target call ({session.assist.stock_drafts}): only the checked "
                          "top-k plan keeps stock's drafts")
+        return session
+    if session.assist.stock_rows is not None:
+        session.set_full(f"sampled draft: {session.assist.stock_rows}; only the checked top-k plan returns stock's "
+                         "processed rows")
         return session
     k = min(cfg.draft_top_k, session.head.vocab_size, top_k or cfg.draft_top_k)
     # no top-k warper on the draft: its law is the whole softmax, whose tail outside the certified top-k the screen

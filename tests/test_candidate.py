@@ -938,3 +938,42 @@ def test_gumbel_draft_confidence_stop(trio):
     finally:
         gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = saved
     assert drafted[0.0] > 3.0 and drafted[0.999] < 1.5, drafted
+
+
+def _rounds(monkeypatch):
+    """Each round's (probabilities kept, threshold after) of stock's ROC adaptation, spied on the generator class."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    seen, inner = [], AssistedCandidateGenerator.update_candidate_strategy
+
+    def spy(self, *a, **k):
+        inner(self, *a, **k)
+        cfg = getattr(self, support().assistant_config_attr or "", None) or self.assistant_model.generation_config
+        seen.append((list(getattr(self, "probs", [])), float(cfg.assistant_confidence_threshold)))
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "update_candidate_strategy", spy)
+    return seen
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_the_roc_adapted_threshold_is_stocks_where_scikit_learn_is_installed(monkeypatch, seed):
+    """With scikit-learn importable, stock re-chooses the assistant's confidence threshold after every round from
+    softmax(draft scores)[drafted token] (hf_csv._compat.adapts_confidence_threshold). A certified greedy draft's rows
+    are finite on S only, so those probabilities, the thresholds and every later draft length differed from stock's
+    (a tiny fp32 pair: 0.108 against stock's 0.0213, one token a round against 3, 2, 3). Such a draft now takes the
+    full head, with the reason; the target stays certified."""
+    pytest.importorskip("sklearn")
+    t, d = _audit_pair(97, torch.float32, 10.0, seed, 0.02, 100 + seed)
+    d.generation_config.assistant_confidence_threshold = 0.4
+    ids = torch.randint(2, 97, (1, 4), generator=torch.Generator().manual_seed(seed))
+    kw = dict(assistant_model=d, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    ref_rounds = _rounds(monkeypatch)
+    ref, lr = _lengths_and_out(t, ids, None, **kw)
+    got_rounds = _rounds(monkeypatch)
+    out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
+    st = t.csv_last_stats
+    assert len({thr for _, thr in ref_rounds}) > 1, "stock's threshold never adapted: the test shows nothing"
+    assert got_rounds == ref_rounds and lo == lr and torch.equal(out, ref)
+    assert st["mode"] == "topk" and st["certified"] > 0, st
+    assert st["draft"]["mode"] == "full", st["draft"]
+    assert any("adapts from the draft's full softmax" in r for r in st["draft"]["reasons"]), st["draft"]["reasons"]
