@@ -967,10 +967,12 @@ def test_the_roc_adapted_threshold_is_stocks_where_scikit_learn_is_installed(mon
     d.generation_config.assistant_confidence_threshold = 0.4
     ids = torch.randint(2, 97, (1, 4), generator=torch.Generator().manual_seed(seed))
     kw = dict(assistant_model=d, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    ref_rounds = _rounds(monkeypatch)
+    rounds = _rounds(monkeypatch)
     ref, lr = _lengths_and_out(t, ids, None, **kw)
-    got_rounds = _rounds(monkeypatch)
+    ref_rounds = rounds[:]
+    rounds.clear()
     out, lo = _lengths_and_out(t, ids, CSVConfig(), **kw)
+    got_rounds = rounds[:]
     st = t.csv_last_stats
     assert len({thr for _, thr in ref_rounds}) > 1, "stock's threshold never adapted: the test shows nothing"
     assert got_rounds == ref_rounds and lo == lr and torch.equal(out, ref)
