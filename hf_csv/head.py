@@ -141,7 +141,7 @@ class CSVSession:
         """Record a reason once per call and log it (transformers logging)."""
         if reason not in self.reasons:
             self.reasons.append(reason)
-            _tlog().info("hf_csv: %s%s", what, reason)
+            _tlog(__name__).info("hf_csv: %s%s", what, reason)
 
     def set_full(self, reason: str) -> None:
         """Use the full head for the rest of this decoding call, and say why."""
@@ -209,10 +209,15 @@ def row_totals(stats: CertStats, declined_rows: int) -> dict:
             "certified_fraction": stats.certified / total if total else 0.0}
 
 
-def _tlog():
+def _tlog(name: str = "hf_csv"):
+    """The logger of the transformers integration, ``transformers.<name>`` (``name``: the calling module's
+    ``__name__``): a child of transformers' library logger, so its handler and verbosity apply
+    (``transformers.logging.set_verbosity_error()`` or ``TRANSFORMERS_VERBOSITY=error`` silence hf_csv's notices,
+    ``logging.getLogger("transformers.hf_csv")`` filters them alone). A logger outside that tree (``hf_csv``)
+    ignored transformers' verbosity and reached stderr through Python's last-resort handler, as a bare line."""
     from transformers.utils import logging as tlogging
 
-    return tlogging.get_logger("hf_csv")
+    return tlogging.get_logger(f"transformers.{name}")
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -352,7 +357,7 @@ def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
         changed = entry is None or entry.src_key != _weight_key(head)
         stale = not changed and entry.probe is not None and not entry.probe.unchanged(head)
         if stale:
-            _tlog().warning(
+            _tlog(__name__).warning(
                 "hf_csv: the head's weights changed without a version-counter bump (a write through .data, such as "
                 "peft's merge_adapter or merge_and_unload): the screen is rebuilt. Call hf_csv.refresh(model) after "
                 "such writes: this check reads a sample of rows and cannot see every write.")
@@ -440,7 +445,7 @@ def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
         if bias is not None:
             bias = bias.detach()[ids]
     if config.provider != "screen":
-        _tlog().info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
+        _tlog(__name__).info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
     return VocabParallelHead(rows, ids, V, bias_rows=bias, budget=config.budget, num_outliers=config.num_outliers)
 
 
