@@ -58,6 +58,90 @@ _SCREEN_KEYS = ("q", "scale", "err_l2", "l1", "abs_l1", "outlier_cols")
 _TERM_SLACK = 1e-3
 
 
+# ------------------------------------------------------------- config schema
+# Every field the loader reads, with its JSON type (and range): a damaged or hand-edited config raises
+# IndexFormatError naming the field, the expected type and what was found, never a raw TypeError.
+_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+              float: "a number", type(None): "null"}
+
+
+def _int_at_least(lo: int) -> tuple:
+    return (lambda v: type(v) is int and v >= lo), f"an integer >= {lo}"
+
+
+def _one_of(*vals: str) -> tuple:
+    return (lambda v: isinstance(v, str) and v in vals), "one of " + ", ".join(repr(v) for v in vals)
+
+
+_INT = ((lambda v: type(v) is int), "an integer")
+_STR = ((lambda v: isinstance(v, str)), "a string")
+_OPT_STR = ((lambda v: v is None or isinstance(v, str)), "a string or null")
+_BOOL = ((lambda v: isinstance(v, bool)), "a boolean")
+_OBJ = ((lambda v: isinstance(v, dict)), "an object")
+_OPT_OBJ = ((lambda v: v is None or isinstance(v, dict)), "an object or null")
+_SHA = ((lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)),
+        "a sha256 (64 lowercase hex digits)")
+_OPT_SHA = ((lambda v: v is None or _SHA[0](v)), "a sha256 (64 lowercase hex digits) or null")
+
+# name -> (check, expected, required); the dataclasses' defaults apply to optional fields left out
+_ARTIFACT_SCHEMA = {
+    "vocab_size": (*_int_at_least(1), True), "hidden_size": (*_int_at_least(1), True),
+    "fingerprint": (*_STR, True), "head_dtype": (*_STR, False), "has_bias": (*_BOOL, False),
+    "base_model": (*_OPT_STR, False), "format_version": (*_int_at_least(1), False), "screen": (*_OPT_OBJ, False),
+    "index": (*_OPT_OBJ, False), "sha256": (*_OBJ, False), "stats": (*_OBJ, False)}
+_SCREEN_SCHEMA = {"quant": (*_one_of("int8", "fp8"), False), "num_outliers": (*_int_at_least(0), False)}
+_INDEX_SCHEMA = {
+    "vocab_size": (*_int_at_least(1), True), "hidden_size": (*_int_at_least(1), True),
+    "num_clusters": (*_int_at_least(1), True), "metric": (*_one_of("euclidean", "spherical"), False),
+    "niter": (*_int_at_least(1), False), "seed": (*_INT, False), "top_m_bias": (*_int_at_least(0), False),
+    "has_bias": (*_BOOL, False), "fingerprint": (*_STR, False), "head_dtype": (*_STR, False),
+    "base_model": (*_OPT_STR, False), "format_version": (*_int_at_least(1), False),
+    "tensors_sha256": (*_OPT_SHA, False), "stats": (*_OBJ, False)}
+
+
+def _found(v: Any) -> str:
+    r = repr(v)
+    return f"{_JSON_TYPE.get(type(v), type(v).__name__)} {r if len(r) <= 40 else r[:37] + '...'}"
+
+
+def _check_fields(where: str, raw: Any, schema: dict) -> None:
+    """IndexFormatError unless ``raw`` is a JSON object whose fields in ``schema`` have their type; unknown
+    fields are left to the caller (logged and ignored)."""
+    if not isinstance(raw, dict):
+        raise IndexFormatError(f"{where} must be a JSON object, found {_found(raw)}")
+    for name, (ok, expected, required) in schema.items():
+        if name not in raw:
+            if required:
+                raise IndexFormatError(f"{where}: field {name!r} is missing (expected {expected})")
+        elif not ok(raw[name]):
+            raise IndexFormatError(f"{where}: field {name!r} must be {expected}, found {_found(raw[name])}")
+
+
+def _validate_config(cpath: Path, raw: Any) -> None:
+    """Check every field of a ``csv_artifact.json`` (and its nested ``screen``, ``index`` and ``sha256``)."""
+    _check_fields(str(cpath), raw, _ARTIFACT_SCHEMA)
+    if raw.get("screen") is not None:
+        _check_fields(f"{cpath}: field 'screen'", raw["screen"], _SCREEN_SCHEMA)
+    if raw.get("index") is not None:
+        _check_fields(f"{cpath}: field 'index'", raw["index"], _INDEX_SCHEMA)
+        unknown = set(raw["index"]) - set(IndexConfig.__dataclass_fields__)
+        if unknown:
+            raise IndexFormatError(f"{cpath}: field 'index' has unknown fields {sorted(unknown)}")
+    for name, sha in raw.get("sha256", {}).items():
+        if not _SHA[0](sha):
+            raise IndexFormatError(f"{cpath}: field 'sha256.{name}' must be {_SHA[1]}, found {_found(sha)}")
+    for name, part in ((SCREEN_NAME, "screen"), (INDEX_NAME, "index")):
+        if name in raw.get("sha256", {}) and raw.get(part) is None:
+            raise IndexFormatError(f"{cpath}: a {part} file ({name}) without its {part!r} entry")
+
+
+def _read_json(cpath: Path, what: str) -> Any:
+    try:
+        return json.loads(cpath.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise IndexFormatError(f"{cpath} is not a valid {what}: {type(e).__name__}: {e}") from e
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -288,14 +372,12 @@ class CSVArtifact:
             if (path / LEGACY_CONFIG_NAME).is_file():
                 return cls._load_legacy(path, verify)
             raise IndexFormatError(f"not an hf_csv artifact: {CONFIG_NAME} missing in {path}")
-        try:
-            raw = json.loads(cpath.read_text())
-            known = set(ArtifactConfig.__dataclass_fields__)
-            if set(raw) - known:
-                logger.warning("ignoring unknown artifact config keys: %s", sorted(set(raw) - known))
-            config = ArtifactConfig(**{k: v for k, v in raw.items() if k in known})
-        except (json.JSONDecodeError, TypeError) as e:
-            raise IndexFormatError(f"{cpath} is not a valid artifact config: {e}") from e
+        raw = _read_json(cpath, "artifact config")
+        _validate_config(cpath, raw)
+        known = set(ArtifactConfig.__dataclass_fields__)
+        if set(raw) - known:
+            logger.warning("ignoring unknown artifact config keys: %s", sorted(set(raw) - known))
+        config = ArtifactConfig(**{k: v for k, v in raw.items() if k in known})
         screen = index = None
         pending: list = []
         for name in (SCREEN_NAME, INDEX_NAME):
@@ -303,13 +385,13 @@ class CSVArtifact:
                 continue
             tensors = cls._read(path / name, config.sha256[name], verify, pending)
             if name == SCREEN_NAME:
-                if not config.screen:
-                    raise IndexFormatError(f"{cpath}: a screen file without its screen entry")
                 screen = ScreenData(config.screen.get("quant", "int8"), tensors)
             else:
                 try:
                     index = VocabIndex(IndexConfig(**config.index), tensors)
-                except TypeError as e:
+                except IndexFormatError:
+                    raise
+                except (TypeError, ValueError) as e:  # e.g. more clusters than rows
                     raise IndexFormatError(f"{cpath}: bad index entry: {e}") from e
         art = cls(config, screen, index)
         art._pending = pending
@@ -353,14 +435,17 @@ class CSVArtifact:
     @classmethod
     def _load_legacy(cls, path: Path, verify: bool) -> "CSVArtifact":
         cpath = path / LEGACY_CONFIG_NAME
-        try:
-            raw = json.loads(cpath.read_text())
-            known = set(IndexConfig.__dataclass_fields__)
-            ic = IndexConfig(**{k: v for k, v in raw.items() if k in known})
-        except (json.JSONDecodeError, TypeError) as e:
-            raise IndexFormatError(f"{cpath} is not a valid index config: {e}") from e
+        raw = _read_json(cpath, "index config")
+        _check_fields(str(cpath), raw, _INDEX_SCHEMA)
+        known = set(IndexConfig.__dataclass_fields__)
+        ic = IndexConfig(**{k: v for k, v in raw.items() if k in known})
         tensors = cls._read(path / INDEX_NAME, ic.tensors_sha256, verify and bool(ic.tensors_sha256))
-        ix = VocabIndex(ic, tensors)
+        try:
+            ix = VocabIndex(ic, tensors)
+        except IndexFormatError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise IndexFormatError(f"{cpath} is not a valid index config: {e}") from e
         cfg = ArtifactConfig(vocab_size=ic.vocab_size, hidden_size=ic.hidden_size, fingerprint=ic.fingerprint,
                              head_dtype=ic.head_dtype, has_bias=ic.has_bias, base_model=ic.base_model,
                              format_version=1, index=asdict(ic), stats=dict(ic.stats))

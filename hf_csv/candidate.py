@@ -35,7 +35,7 @@ from ._compat import SUPPORTED, adapts_confidence_threshold, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, find_head, row_totals
+from .head import CSVSession, find_head, row_totals, summary_line
 from .plan import Bounded, Full
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
@@ -110,10 +110,12 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
     assistant = gen.assistant_model
     inner: Callable = gen.get_candidates
     stats = CertStats()
+    last: dict = {"full": False, "approx": []}  # the latest draft call that ran its head: its plan decides the line
     # every draft head row is counted as in the target's own summary (head.row_totals)
     summary = main.reports["draft"] = {"mode": "none", "calls": 0, "head_calls": 0, "full_head_calls": 0,
                                      "verify_reruns": 0, "reasons": [], "rows": 0, "declined_rows": 0,
-                                     "head_rows": 0, "certified_fraction": 0.0}
+                                     "head_rows": 0, "certified_fraction": 0.0,
+                                     "summary": summary_line(stats, 0)}
 
     def get_candidates(input_ids, **kwargs):
         sess = new_session(assistant, config)
@@ -135,10 +137,16 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         summary["declined_rows"] += sess.declined_rows
         if sess.head_calls:  # a call that returned early (max_new_tokens == 0) decided nothing
             summary["mode"] = sess.mode
+            last["full"] = isinstance(sess.plan, Full)
+            last["approx"] = sess.approximations()
         summary["reasons"] += [r for r in sess.reasons if r not in summary["reasons"]]
         stats.merge(sess.stats)
         summary.update(stats.as_dict())  # every key, zeros included, as the target's summary has (every row counted)
         summary.update(row_totals(stats, summary["declined_rows"]))
+        # the one line for people, built as the target's (head.summary_line)
+        full_reason = (summary["reasons"][0] if summary["reasons"] else "declined") if last["full"] else None
+        summary["summary"] = summary_line(stats, summary["declined_rows"], full_reason=full_reason,
+                                          approx=last["approx"])
         return out
 
     gen.get_candidates = get_candidates

@@ -8,7 +8,8 @@ certified ``custom_generate`` model repository; run the benchmarks.
     hf-csv inspect DIR_OR_REPO [--revision REV]
     hf-csv bench {certify,generate,speculative,kernels} [ARGS...]
 
-Bad input prints one clear line and exits with status 2.
+Bad input (a missing or malformed artifact, a wrong path, a Hub error) prints one clear line to stderr and exits
+with status 2.
 """
 from __future__ import annotations
 
@@ -248,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(text: str) -> str:
+    """An error message on one line (a path or a quoted value may hold a newline)."""
+    return " ".join(text.split("\n")).strip()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from .errors import CSVError
@@ -255,11 +261,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return args.fn(args)
     except (CLIError, CSVError, FileNotFoundError) as e:
-        print(f"hf-csv {args.command}: error: {e}", file=sys.stderr)
+        print(_one_line(f"hf-csv {args.command}: error: {e}"), file=sys.stderr)
         return 2
     except Exception as e:  # huggingface_hub errors: one line, not a traceback
         if type(e).__module__.startswith("huggingface_hub"):
-            print(f"hf-csv {args.command}: error: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
+            print(f"hf-csv {args.command}: error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
             return 2
         raise
 

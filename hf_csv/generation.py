@@ -116,7 +116,13 @@ def _assist_patch(model: nn.Module, sess: CSVSession, config: CSVConfig):
 
 
 def csv_generate(model: nn.Module, call: Callable, config: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``."""
+    """Run ``call(*args, **kwargs)`` (a class-level generate) with ``config`` active for ``model``.
+
+    ``model.csv_last_stats`` is reset to ``None`` when the call starts and set to the call's summary when it
+    returns (with ``config.stats``): after a call that raised (a bad argument such as ``max_new_tokens=0``, an
+    invalid ``csv_config``, a damaged artifact) or that ran with ``stats=False`` it is ``None``, never a previous
+    call's stats. Calls without ``csv_config`` leave it as it is."""
+    model.__dict__["csv_last_stats"] = None
     if isinstance(config, dict):
         config = CSVConfig(**config)
     if not isinstance(config, CSVConfig):

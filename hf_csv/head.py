@@ -36,7 +36,7 @@ from .step import CSVHead, StepState, activated
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head"]
+__all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head", "summary_line"]
 
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
@@ -144,7 +144,7 @@ class CSVSession:
         """Record a reason once per call and log it (transformers logging)."""
         if reason not in self.reasons:
             self.reasons.append(reason)
-            _tlog().info("hf_csv: %s%s", what, reason)
+            _tlog(__name__).info("hf_csv: %s%s", what, reason)
 
     def set_full(self, reason: str) -> None:
         """Use the full head for the rest of this decoding call, and say why."""
@@ -160,35 +160,48 @@ class CSVSession:
         d.update(mode=self.mode, reasons=list(self.reasons), head_calls=self.head_calls,
                  full_head_calls=self.full_calls, verify_reruns=self.verify_reruns,
                  **row_totals(self.stats, self.declined_rows))
-        total = d["head_rows"]
         d.update(self.reports)
         if self.step.guard_last is not None:
             guard, key = self.step.guard_last
             summ = guard.summary(key)
             if summ is not None:
                 d["speed_guard"] = summ
-        full = total - self.stats.certified
-        # what the caller opted into that is not stock's law or tokens: such a call's "certified" rows are the
-        # approximate certificate's
+        approx = self.approximations()
+        d["exact"] = not approx
+        full_reason = (self.reasons[0] if self.reasons else "declined") if isinstance(self.plan, Full) else None
+        d["summary"] = summary_line(self.stats, self.declined_rows, full_reason=full_reason, approx=approx)
+        return d
+
+    def approximations(self) -> list:
+        """What the caller opted into that is not stock's law or tokens (empty for an exact call): such a call's
+        "certified" rows are the approximate certificate's."""
         approx = []
         if isinstance(self.plan, Epsilon):
             approx.append(f"ε-softmax, TV ≤ {self.plan.eps:g} a row")
         if self.assisted and self.config.speculative == "sigmoid":
             approx.append("the lossy sigmoid verify")
-        d["exact"] = not approx
-        lead = f"approximate ({', '.join(approx)}): " if approx else ""
-        if isinstance(self.plan, Full):
-            d["summary"] = lead + f"full head ({self.reasons[0] if self.reasons else 'declined'})"
-            return d
-        why = []
-        if self.declined_rows:
-            why.append(f"speed guard {self.declined_rows}")
-        if self.stats.fallback:
-            why.append(f"certificate {self.stats.fallback}")
-        d["summary"] = lead + (f"certified {self.stats.certified}/{total} rows" + (f" (full head: {full}, " + ", ".join(why) + ")"
-                        if full and why else (f" (full head: {full})" if full else "")) +
-                        (f", mean |S| {100 * self.stats.mean_subvocab_fraction:.3g} % of V" if self.stats.certified else ""))
-        return d
+        return approx
+
+
+def summary_line(stats: CertStats, declined_rows: int, full_reason: Optional[str] = None,
+                 approx: Optional[list] = None) -> str:
+    """The one line for people in a call's stats (``csv_stats["summary"]``, and the draft head's
+    ``csv_stats["draft"]["summary"]``): "certified C/T rows (full head: F, why), mean |S| x % of V", or
+    "full head (reason)" when ``full_reason`` says the call took the full head; led by "approximate (...): " when
+    ``approx`` lists what the call opted into that is not exact."""
+    lead = f"approximate ({', '.join(approx)}): " if approx else ""
+    if full_reason is not None:
+        return lead + f"full head ({full_reason})"
+    total = stats.rows + declined_rows
+    full = total - stats.certified
+    why = []
+    if declined_rows:
+        why.append(f"speed guard {declined_rows}")
+    if stats.fallback:
+        why.append(f"certificate {stats.fallback}")
+    return lead + (f"certified {stats.certified}/{total} rows" + (f" (full head: {full}, " + ", ".join(why) + ")"
+                   if full and why else (f" (full head: {full})" if full else "")) +
+                   (f", mean |S| {100 * stats.mean_subvocab_fraction:.3g} % of V" if stats.certified else ""))
 
 
 def row_totals(stats: CertStats, declined_rows: int) -> dict:
@@ -199,10 +212,15 @@ def row_totals(stats: CertStats, declined_rows: int) -> dict:
             "certified_fraction": stats.certified / total if total else 0.0}
 
 
-def _tlog():
+def _tlog(name: str = "hf_csv"):
+    """The logger of the transformers integration, ``transformers.<name>`` (``name``: the calling module's
+    ``__name__``): a child of transformers' library logger, so its handler and verbosity apply
+    (``transformers.logging.set_verbosity_error()`` or ``TRANSFORMERS_VERBOSITY=error`` silence hf_csv's notices,
+    ``logging.getLogger("transformers.hf_csv")`` filters them alone). A logger outside that tree (``hf_csv``)
+    ignored transformers' verbosity and reached stderr through Python's last-resort handler, as a bare line."""
     from transformers.utils import logging as tlogging
 
-    return tlogging.get_logger("hf_csv")
+    return tlogging.get_logger(f"transformers.{name}")
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -342,7 +360,7 @@ def head_entry(head: nn.Linear, config: CSVConfig) -> HeadEntry:
         changed = entry is None or entry.src_key != _weight_key(head)
         stale = not changed and entry.probe is not None and not entry.probe.unchanged(head)
         if stale:
-            _tlog().warning(
+            _tlog(__name__).warning(
                 "hf_csv: the head's weights changed without a version-counter bump (a write through .data, such as "
                 "peft's merge_adapter or merge_and_unload): the screen is rebuilt. Call hf_csv.refresh(model) after "
                 "such writes: this check reads a sample of rows and cannot see every write.")
@@ -430,7 +448,7 @@ def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
         if bias is not None:
             bias = bias.detach()[ids]
     if config.provider != "screen":
-        _tlog().info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
+        _tlog(__name__).info("hf_csv: the vocabulary-parallel head uses the screen provider on each shard")
     return VocabParallelHead(rows, ids, V, bias_rows=bias, budget=config.budget, num_outliers=config.num_outliers)
 
 

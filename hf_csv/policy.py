@@ -52,7 +52,7 @@ def _warn_beams(session: CSVSession, num_beams: int) -> None:
     """One warning per call where beam search leaves the whole call on the full head: the ASR pipeline asks for
     5 beams by default, so its users would otherwise get nothing certified and no word of it (INFO is silent)."""
     if num_beams > 1:
-        _tlog().warning("hf_csv: num_beams=%d runs the full LM head for this call (nothing certified). Pass "
+        _tlog(__name__).warning("hf_csv: num_beams=%d runs the full LM head for this call (nothing certified). Pass "
                         "num_beams=1 for the certified path (ASR pipeline: generate_kwargs={'num_beams': 1}).",
                         num_beams)
 

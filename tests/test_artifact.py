@@ -169,3 +169,106 @@ def test_flipped_byte_truncated_wrong_shape_and_foreign_head(tmp_path):
     art.check_head(W)  # the sampled rows agree
     with pytest.raises(FingerprintMismatchError, match="row 1 "):
         art.screen.rows_for(W)
+
+
+def _set(path, value):
+    """fn(raw config) -> raw config with ``path`` ("screen.quant") set to ``value`` (deleted when value is _DEL)."""
+    def fn(raw):
+        *outer, last = path.split("/")
+        d = raw
+        for k in outer:
+            d = d[k]
+        if value is _DEL:
+            del d[last]
+        else:
+            d[last] = value
+        return raw
+    return fn
+
+
+_DEL = object()
+_INDEX_OK = {"vocab_size": 600, "hidden_size": 48, "num_clusters": 16}
+# (id, edit of the parsed csv_artifact.json or raw bytes, a word the message must hold)
+MALFORMED_CONFIGS = [
+    ("format_version_str", _set("format_version", "2"), "'format_version' must be an integer"),
+    ("format_version_null", _set("format_version", None), "'format_version' must be an integer"),
+    ("format_version_float", _set("format_version", 2.0), "'format_version' must be an integer"),
+    ("sha256_null", _set("sha256", None), "'sha256' must be an object, found null"),
+    ("sha256_list", _set("sha256", []), "'sha256' must be an object"),
+    ("sha256_value_null", _set(f"sha256/{SCREEN_NAME}", None), f"'sha256.{SCREEN_NAME}' must be a sha256"),
+    ("sha256_value_int", _set(f"sha256/{SCREEN_NAME}", 123), f"'sha256.{SCREEN_NAME}' must be a sha256"),
+    ("screen_str", _set("screen", "int8"), "'screen' must be an object or null, found a string"),
+    ("screen_list", _set("screen", ["int8"]), "'screen' must be an object or null"),
+    ("screen_null_with_file", _set("screen", None), "without its 'screen' entry"),
+    ("screen_quant_int", _set("screen/quant", 8), "'quant' must be one of"),
+    ("screen_quant_unknown", _set("screen/quant", "int4"), "'quant' must be one of"),
+    ("screen_num_outliers_str", _set("screen/num_outliers", "3"), "'num_outliers' must be an integer"),
+    ("screen_num_outliers_negative", _set("screen/num_outliers", -5), "'num_outliers' must be an integer >= 0"),
+    ("vocab_size_str", _set("vocab_size", "600"), "'vocab_size' must be an integer"),
+    ("vocab_size_bool", _set("vocab_size", True), "'vocab_size' must be an integer"),
+    ("vocab_size_missing", _set("vocab_size", _DEL), "'vocab_size' is missing"),
+    ("hidden_size_null", _set("hidden_size", None), "'hidden_size' must be an integer"),
+    ("hidden_size_float", _set("hidden_size", 48.0), "'hidden_size' must be an integer"),
+    ("fingerprint_int", _set("fingerprint", 5), "'fingerprint' must be a string"),
+    ("fingerprint_missing", _set("fingerprint", _DEL), "'fingerprint' is missing"),
+    ("head_dtype_null", _set("head_dtype", None), "'head_dtype' must be a string"),
+    ("has_bias_str", _set("has_bias", "no"), "'has_bias' must be a boolean"),
+    ("has_bias_int", _set("has_bias", 0), "'has_bias' must be a boolean"),
+    ("base_model_int", _set("base_model", 5), "'base_model' must be a string or null"),
+    ("stats_list", _set("stats", []), "'stats' must be an object"),
+    ("stats_null", _set("stats", None), "'stats' must be an object"),
+    ("index_str", _set("index", "x"), "'index' must be an object or null"),
+    ("index_missing_num_clusters", _set("index", {"vocab_size": 600, "hidden_size": 48}), "'num_clusters' is missing"),
+    ("index_num_clusters_str", _set("index", {**_INDEX_OK, "num_clusters": "16"}), "'num_clusters' must be an integer"),
+    ("index_metric_int", _set("index", {**_INDEX_OK, "metric": 5}), "'metric' must be one of"),
+    ("index_seed_float", _set("index", {**_INDEX_OK, "seed": 0.5}), "'seed' must be an integer"),
+    ("index_stats_str", _set("index", {**_INDEX_OK, "stats": "x"}), "'stats' must be an object"),
+    ("index_tensors_sha256_int", _set("index", {**_INDEX_OK, "tensors_sha256": 1}), "'tensors_sha256' must be"),
+    ("index_unknown_field", _set("index", {**_INDEX_OK, "bogus": 1}), "unknown fields ['bogus']"),
+    ("top_level_list", lambda raw: [raw], "must be a JSON object, found an array"),
+    ("top_level_null", lambda raw: None, "must be a JSON object, found null"),
+    ("top_level_str", lambda raw: "csv", "must be a JSON object, found a string"),
+    ("top_level_number", lambda raw: 2, "must be a JSON object, found an integer"),
+    ("invalid_json", b"{not json", "not a valid artifact config"),
+    ("truncated_json", b'{"vocab_size": 600, "hidden', "not a valid artifact config"),
+    ("not_utf8", b'{"fingerprint": "\xff\xfe"}', "not a valid artifact config"),
+    ("empty_file", b"", "not a valid artifact config"),
+]
+
+
+def write_malformed_config(base, dest, edit):
+    """Copy the artifact directory ``base`` to ``dest`` with its csv_artifact.json edited (a function of the
+    parsed JSON, or the file's new bytes)."""
+    import shutil
+
+    shutil.copytree(base, dest)
+    f = dest / CONFIG_NAME
+    if isinstance(edit, bytes):
+        f.write_bytes(edit)
+    else:
+        f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("art")
+    CSVArtifact.build(_model().lm_head.weight, outlier_cols=torch.tensor([3, 7, 11])).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("name,edit,words", MALFORMED_CONFIGS, ids=[c[0] for c in MALFORMED_CONFIGS])
+def test_malformed_config_field_raises_index_format_error(artifact_dir, tmp_path, name, edit, words):
+    """Every field the loader reads, of a wrong type, null, missing or nested wrong: IndexFormatError naming the
+    field, the expected type and what was found (was a raw TypeError / AttributeError)."""
+    d = write_malformed_config(artifact_dir, tmp_path / "a", edit)
+    with pytest.raises(IndexFormatError) as e:
+        CSVArtifact.from_pretrained(d)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    if "must be" in words:
+        assert "found" in str(e.value)
+
+
+def test_well_formed_config_still_loads(artifact_dir):
+    art = CSVArtifact.from_pretrained(artifact_dir)
+    assert art.screen is not None and art.config.screen == {"quant": "int8", "num_outliers": 3}

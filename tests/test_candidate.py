@@ -979,3 +979,37 @@ def test_the_roc_adapted_threshold_is_stocks_where_scikit_learn_is_installed(mon
     assert st["mode"] == "topk" and st["certified"] > 0, st
     assert st["draft"]["mode"] == "full", st["draft"]
     assert any("adapts from the draft's full softmax" in r for r in st["draft"]["reasons"]), st["draft"]["reasons"]
+
+def test_draft_stats_have_a_summary_line_built_as_the_targets(pair, monkeypatch):
+    """``csv_stats["draft"]`` carries a one-line ``summary`` like the top level's, from the same function
+    (hf_csv.head.summary_line): certified rows, the rows sent to the full head and why, mean |S|."""
+    import hf_csv.speed
+    from hf_csv.speed import SpeedGuard
+
+    target, draft = pair
+    out = target.generate(IDS, assistant_model=draft, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(),
+                          return_dict_in_generate=True)
+    d, top = out.csv_stats["draft"], out.csv_stats
+    assert isinstance(d["summary"], str) and "\n" not in d["summary"]
+    assert d["summary"].startswith(f"certified {d['certified']}/{d['head_rows']} rows"), d["summary"]
+    assert "mean |S|" in d["summary"] and top["summary"].startswith(f"certified {top['certified']}/"), top["summary"]
+    # the speed guard's rows are named as in the target's line
+    monkeypatch.setattr(hf_csv.speed, "MIN_WEIGHTS", 0)
+    calls, pick = {}, SpeedGuard.certified
+
+    def every_other(self, key, rows=1):
+        pick(self, key, rows)
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return calls[id(self)] % 2 == 0
+
+    monkeypatch.setattr(SpeedGuard, "certified", every_other)
+    t2, d2 = hf_csv.enable(_llama(2, 0)), _llama(1, 1)
+    out = t2.generate(IDS, assistant_model=d2, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(),
+                      return_dict_in_generate=True)
+    d = out.csv_stats["draft"]
+    assert f"speed guard {d['declined_rows']}" in d["summary"], d["summary"]
+    # before any draft call the line is there too (no rows yet)
+    from hf_csv.certificate import CertStats
+    from hf_csv.head import summary_line
+    assert summary_line(CertStats(), 0) == "certified 0/0 rows"
+    assert summary_line(CertStats(), 0, full_reason="why") == "full head (why)"

@@ -75,3 +75,57 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert r.returncode == 2 and "not a directory" in r.stderr
     r = run("bench", "nothing")
     assert r.returncode == 2
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory):
+    from hf_csv.artifact import CSVArtifact
+
+    from test_artifact import _model
+    d = tmp_path_factory.mktemp("art")
+    CSVArtifact.build(_model().lm_head.weight, outlier_cols=torch.tensor([3, 7, 11])).save_pretrained(d)
+    return d
+
+
+def _malformed():
+    from test_artifact import MALFORMED_CONFIGS
+    return MALFORMED_CONFIGS
+
+
+@pytest.mark.parametrize("name,edit,words", _malformed(), ids=[c[0] for c in _malformed()])
+def test_inspect_malformed_config_is_one_line_exit_2(artifact_dir, tmp_path, capsys, name, edit, words):
+    """``hf-csv inspect`` on a csv_artifact.json with a field of the wrong type (null, missing, nested, not an
+    object, not JSON): one line on stderr naming the field, exit status 2 (was a traceback and status 1)."""
+    from hf_csv import cli
+
+    from test_artifact import write_malformed_config
+    d = write_malformed_config(artifact_dir, tmp_path / "a", edit)
+    assert cli.main(["inspect", str(d)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("hf-csv inspect: error: ") and words in err, err
+
+
+@pytest.mark.parametrize("sub", ["push", "push-model", "pull"])
+def test_every_subcommand_that_reads_an_artifact_refuses_a_malformed_one(artifact_dir, tmp_path, capsys,
+                                                                        monkeypatch, sub):
+    from hf_csv import cli, hub
+
+    from test_artifact import write_malformed_config
+    d = write_malformed_config(artifact_dir, tmp_path / "a", lambda raw: {**raw, "format_version": "2"})
+    monkeypatch.setattr(hub, "download", lambda *a, **k: str(d))  # pull: the "downloaded" copy is malformed
+    monkeypatch.setattr(hub, "upload", lambda *a, **k: pytest.fail("uploaded a malformed artifact"))
+    argv = {"push": ["push", str(d), "org/x"], "pull": ["pull", "org/x", "--out", str(tmp_path / "o")],
+            "push-model": ["push-model", "unused-model", "org/x", "--artifact", str(d), "--no-weights"]}[sub]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'format_version' must be an integer" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_inspect_malformed_config_through_the_console_script(artifact_dir, tmp_path):
+    from test_artifact import write_malformed_config
+    d = write_malformed_config(artifact_dir, tmp_path / "a", lambda raw: {**raw, "sha256": None})
+    r = run("inspect", str(d))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "'sha256' must be an object, found null" in r.stderr

@@ -179,3 +179,26 @@ def test_calls_under_inference_mode_and_outside_it_alternate(mode, monkeypatch):
             assert st["certified"] > 0, st
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(num_beams=2, num_return_sequences=3),
+                                 dict(csv_config=CSVConfig(index="./no-such-artifact"))],
+                         ids=["max_new_tokens_0", "more_sequences_than_beams", "missing_artifact"])
+def test_a_call_that_raises_leaves_no_stale_csv_last_stats(bad):
+    """A certified call that raises leaves ``csv_last_stats`` None, not the previous call's stats; a call without
+    csv_config does not touch it, and the next certified call sets it again."""
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    ids = torch.tensor([[5, 17, 33, 9]])
+    m.generate(ids, max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
+    first = m.csv_last_stats
+    assert first is not None and first["certified"] > 0
+    m.generate(ids, max_new_tokens=2, do_sample=False)  # stock: leaves it as it is
+    assert m.csv_last_stats is first
+    kw = {"csv_config": CSVConfig(), "do_sample": False, **bad}
+    with pytest.raises((ValueError, hf_csv.CSVError)):
+        m.generate(ids, **{"max_new_tokens": 3, **kw})
+    assert m.csv_last_stats is None
+    m.generate(ids, max_new_tokens=3, do_sample=False, csv_config=CSVConfig(stats=False))
+    assert m.csv_last_stats is None  # stats=False: nothing collected, nothing stale
+    m.generate(ids, max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
+    assert m.csv_last_stats is not None and m.csv_last_stats is not first

@@ -113,3 +113,42 @@ def test_prompt_lookup_sampling_never_uses_spec(spec_pair):
     out = target.generate(ids, assistant_model=spec_llama(1), do_sample=True, top_k=0, max_new_tokens=6,
                           csv_config=CSVConfig(speculative="stock"), return_dict_in_generate=True)
     assert out.csv_stats["mode"] == "full"
+
+
+def test_beam_notice_is_a_transformers_log_record_the_user_can_filter(caplog):
+    """The beam-search notice goes through transformers' logging (logger ``transformers.hf_csv.policy``), so
+    transformers' verbosity applies: ``set_verbosity_error()`` silences it. Under the old ``hf_csv`` logger it
+    ignored that and reached stderr through Python's last-resort handler as a bare line."""
+    import logging
+
+    from transformers.utils import logging as tlogging
+
+    import hf_csv
+    from conftest import tiny_llama
+
+    m = hf_csv.enable(tiny_llama())
+    ids = torch.tensor([[1, 2, 3]])
+
+    def notices():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            m.generate(input_ids=ids, max_new_tokens=2, num_beams=3, do_sample=False, csv_config=hf_csv.CSVConfig())
+        return [r for r in caplog.records if "num_beams=3 runs the full LM head" in r.getMessage()]
+
+    level = tlogging.get_verbosity()
+    tlogging.enable_propagation()
+    try:
+        tlogging.set_verbosity_warning()
+        got = notices()
+        assert len(got) == 1 and got[0].name == "transformers.hf_csv.policy" and got[0].levelno == logging.WARNING
+        tlogging.set_verbosity_error()
+        assert notices() == []
+        tlogging.set_verbosity_warning()
+        logging.getLogger("transformers.hf_csv").setLevel(logging.ERROR)  # hf_csv's notices alone
+        try:
+            assert notices() == []
+        finally:
+            logging.getLogger("transformers.hf_csv").setLevel(logging.NOTSET)
+    finally:
+        tlogging.set_verbosity(level)
+        tlogging.disable_propagation()
