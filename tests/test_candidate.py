@@ -980,6 +980,7 @@ def test_the_roc_adapted_threshold_is_stocks_where_scikit_learn_is_installed(mon
     assert st["draft"]["mode"] == "full", st["draft"]
     assert any("adapts from the draft's full softmax" in r for r in st["draft"]["reasons"]), st["draft"]["reasons"]
 
+
 def test_draft_stats_have_a_summary_line_built_as_the_targets(pair, monkeypatch):
     """``csv_stats["draft"]`` carries a one-line ``summary`` like the top level's, from the same function
     (hf_csv.head.summary_line): certified rows, the rows sent to the full head and why, mean |S|."""
