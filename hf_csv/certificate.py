@@ -249,7 +249,8 @@ class CertifiedHead:
             if got is None:
                 logger.warning("hf_csv: this CPU's BLAS computes a column subset of the head in another rounding "
                                "than the full call; certified sampling that reads the values (stock's sampler, "
-                               "verify, scores) uses the full head here (docs/certificates.md §2.0)")
+                               "verify, scores) uses the full head here, so top-k, min-p and top-p sampling give "
+                               "stock's tokens for the seed (docs/certificates.md §2.0)")
         return self._subset_probe.get(key)
 
     def graph_gather_exact(self, capacity: int, rows: int = 1) -> bool:

@@ -122,7 +122,7 @@ class CSVSession:
     compiled: CompiledRecord = field(default_factory=lambda: CompiledRecord())
     caller_cache: bool = False  # the caller passed its own KV cache (``past_key_values``, or 5.24's ``cache``)
     cache_kwarg: str = "past_key_values"  # the model forward's KV-cache keyword on this version (hf_csv._compat)
-    own_draw: bool = False  # sampling through the head's own exact draw where stock's values on S cannot be had
+    own_draw: bool = False  # Gumbel-coupled sampling: the head's own draw where stock's values on S cannot be had
     check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.processors._Prefix)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the call's noise per token index

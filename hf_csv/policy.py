@@ -94,17 +94,24 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
     why = _reads_values(session, generation_config)
     if why is not None and not _subset_exact(session):
         # stock's values on S are not this process's values (docs/certificates.md §2.0): a path that hands them to
-        # stock's sampler or scores is not exact here; hf_csv's own draw is (it decides within the slack)
-        if isinstance(session.plan, TopK) and getattr(generation_config, "do_sample", False):
+        # stock's sampler or scores is not exact here. Where the call promises stock's tokens for the seed (top-k,
+        # min-p, top-p sampling: README, docs/user_guide.md) it runs stock's full head, as the probe's warning says;
+        # hf_csv's own draw (exact law, another random stream, decided within the slack) stands in only where the
+        # call promises the law alone: Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")).
+        # (CSVConfig(mode="sample") asks for the own draw on any host: _decide picked it, and it reads no values.)
+        if isinstance(session.plan, TopK) and getattr(generation_config, "do_sample", False) \
+                and session.gumbel is not None:
             session.own_draw = True
             _decide(session, generation_config, processors)
             if isinstance(session.plan, Sample):
                 session.note(f"{why}: this CPU's BLAS rounds a column subset differently from the full call, so "
-                             "hf_csv draws from stock's law itself (exact law, not stock's random stream)")
+                             "Gumbel-coupled sampling (CSVConfig(speculative='gumbel'), stock's law, not its random "
+                             "stream) draws in the head itself")
         if not isinstance(session.plan, Sample):
             session.reasons.clear()
             session.set_full(f"{why}: needs stock's values on S bit for bit, and this CPU's BLAS rounds a column "
-                             "subset differently from the full call (docs/certificates.md §2.0)")
+                             "subset differently from the full call: the full head, stock's tokens for the seed "
+                             "(docs/certificates.md §2.0)")
             return session.plan
     plan = session.plan
     if session.whisper.scores_internal and getattr(generation_config, "logprob_threshold", None) is not None \
@@ -137,8 +144,8 @@ def decide_mode(session: CSVSession, generation_config: Any, processors: list) -
 
 
 def _own_draw(session: CSVSession) -> bool:
-    """Sampling through the head's own exact draw (``CSVConfig(mode="sample")``, or where stock's values on S cannot
-    be had bit for bit)."""
+    """Sampling through the head's own exact draw (``CSVConfig(mode="sample")``, or Gumbel-coupled sampling where
+    stock's values on S cannot be had bit for bit)."""
     return session.config.mode == "sample" or session.own_draw
 
 

@@ -408,7 +408,7 @@ def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_valu
         c = hf_csv.CSVConfig(scores="subvocab") if gen.get("output_scores") else cfg
         torch.manual_seed(0)
         m.generate(ids, max_new_tokens=4, csv_config=c, **gen)
-        # (top-k sampling may run hf_csv's own draw instead of a top-k call where stock's values on S cannot be had)
+        # (top-k sampling runs the full head instead of a top-k call where stock's values on S cannot be had)
         assert (bool(calls) and set(calls) == {True}) if want else True not in calls, (gen, calls)
 
 

@@ -5,7 +5,8 @@ logit_scale, Granite with logits_scaling, Phi with a head bias, Whisper), a voca
 4,099 in a fifth of the cases), a dtype (fp32, bf16; fp16 in a tenth of the cases), a batch (1 or more, left-padded), a decoding method (greedy, beam, sampling with random temperature /
 top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram, bad words, min new
 tokens; Whisper with or without return_timestamps), output_scores and a stopping criterion that reads scores, a
-CSVConfig, and the autograd context around the calls (grad mode, ``no_grad``, ``inference_mode``). Then:
+CSVConfig, the autograd context around the calls (grad mode, ``no_grad``, ``inference_mode``), and for a sixth or so
+of the sampling cases a column-subset probe forced to find no kernel (docs/certificates.md §2.0). Then:
 
 * deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
 * sampling with a top-k or min-p certificate (stock's sampler on stock's vector): the same tokens as stock
@@ -14,7 +15,9 @@ CSVConfig, and the autograd context around the calls (grad mode, ``no_grad``, ``
   (softmax of stock's processed scores), over ``DRAWS`` draws, at a family-wise significance level
   ALPHA = 1e-3 (Bonferroni over the run's sampling cases), plus zero draws outside stock's support at
   every step of a multi-token run (stock's processed scores recomputed on hf_csv's own prefix);
-* sampling, declined (full head): the same seed must give stock's tokens and scores. (A sampling call
+* sampling, declined (full head): the same seed must give stock's tokens and scores. A sampling call declined for
+  the probe (a "column subset" reason) must be on the full head unless ``mode="sample"`` asked for the own draw (case
+  254 ran hf_csv's own draw there before the fix: stock's law, not its tokens). (A sampling call
   whose rows all fell back over the budget still draws with hf_csv's exact sampler: law test, and it
   counts as declined.)
 
@@ -221,6 +224,10 @@ def _case(i: int) -> dict:
     c["vocab"] = vrng.choices([None, 1031, 4099], weights=[8, 1, 1])[0]
     if vrng.random() < 0.1 and "HF_CSV_FUZZ_DTYPES" not in os.environ:
         c["dtype"] = torch.float16
+    # a column-subset probe forced to find no kernel (docs/certificates.md §2.0), on its own stream: sampling plans that
+    # hand the values on S to stock's sampler must then take the full head (stock's tokens for the seed), never
+    # hf_csv's own draw (stock's law only), whatever this host's BLAS does
+    c["probe"] = "fail" if kind == "sample" and random.Random(67867967 * i + 23).random() < 0.15 else "host"
     c["kind"] = kind
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
@@ -433,6 +440,8 @@ def _classes(c: dict) -> list:
         out.append(f"vocab:{c['vocab']}")
     if c["dtype"] == torch.float16:
         out.append("dtype:float16")
+    if c.get("probe", "host") != "host":
+        out.append(f"probe:{c['probe']}")
     return out
 
 
@@ -446,8 +455,20 @@ def _grad_context(c: dict):
 def _run(c: dict, n_sampling: int) -> dict:
     m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0),
                c.get("vocab"))  # (built outside the autograd context)
-    with _grad_context(c):
+    with _grad_context(c), _probe_context(c):
         return _run_in(m, c, n_sampling)
+
+
+def _probe_context(c: dict):
+    """The case's column-subset probe: this host's, or one that finds no kernel (``CertifiedHead.subset_exact``
+    False: only the value-reading plans' gate moves; the heads' cached probe results stay this host's)."""
+    if c.get("probe", "host") != "fail":
+        return contextlib.nullcontext()
+    from unittest import mock
+
+    from hf_csv.certificate import CertifiedHead
+
+    return mock.patch.object(CertifiedHead, "subset_exact", lambda self: False)
 
 
 def _run_in(m, c: dict, n_sampling: int) -> dict:
@@ -481,6 +502,10 @@ def _run_in(m, c: dict, n_sampling: int) -> dict:
         ok, why = _same_outputs(a, b)
     else:
         ok, why = _law_check(m, c, inputs, n_sampling)
+    if ok and c["kind"] == "sample" and c["csv"]["mode"] != "sample" and st["mode"] != "full" \
+            and any("column subset" in r for r in st["reasons"]):
+        # a call the probe kept off stock's values promises stock's tokens for the seed: the full head, not a law
+        ok, why = False, f"declined for the column-subset probe but ran mode {st['mode']!r}, not stock's head"
     # the stats count every row once: a certified row, or a fallback (over the budget, a near tie, a re-run)
     if ok and (st.get("certified", 0) + st.get("fallback", 0) != st.get("rows", 0)
                or not 0.0 <= st.get("mean_subvocab_fraction", 0.0) <= 1.0):

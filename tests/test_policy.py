@@ -152,3 +152,88 @@ def test_beam_notice_is_a_transformers_log_record_the_user_can_filter(caplog):
     finally:
         tlogging.set_verbosity(level)
         tlogging.disable_propagation()
+
+# ------------------------------------------------------------------ value-reading sampling and the column-subset probe
+_PROBE_WARNING = "uses the full head here"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(top_k=50),
+    dict(top_k=50, temperature=0.7),
+    dict(top_k=20, temperature=0.8),
+    dict(top_k=50, top_p=0.9),
+    dict(top_k=40, temperature=0.7, repetition_penalty=1.2),
+    dict(top_k=0, min_p=0.1),
+    dict(top_k=0, top_p=0.9),
+], ids=["top_k", "top_k_temperature", "top_k20_temperature", "top_k_top_p", "top_k_penalty", "min_p", "top_p"])
+def test_value_reading_sampling_where_the_probe_finds_no_kernel_is_stocks_full_head(monkeypatch, caplog, kw):
+    """Issue: on a head whose column-subset probe fails (a tiny Llama, V 4099, d 64: every MKL code path of this
+    project's host), the probe warned that value-reading sampling "uses the full head here", but top-k sampling (with
+    or without a temperature) ran hf_csv's own draw (``mode=sample``, 9 of 10 rows certified): the law, not stock's
+    tokens for the seed, which README and the user guide promise. Now every sampling call the docs promise stock's
+    tokens for takes the full head with the probe's reason, on the first call (which runs the probe) and later
+    ones, and returns stock's tokens for the same seed."""
+    import copy
+    import logging
+
+    from hf_csv import certificate
+
+    monkeypatch.setattr(certificate, "probe_subset_kernel", lambda *a, **k: None)  # no kernel matches, on any host
+    ref = tiny_llama(vocab=4099, scale=20.0)
+    m = hf_csv.enable(copy.deepcopy(ref))
+    x = _ids(batch=1, vocab=4099)
+    gen = dict(max_new_tokens=10, do_sample=True, **kw)
+    for call in ("first", "later"):
+        torch.manual_seed(0)
+        want = ref.generate(**x, **gen)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_csv"):
+            torch.manual_seed(0)
+            got = m.generate(**x, **gen, csv_config=CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(got, want), (call, got, want)
+        assert st["mode"] == "full" and st.get("certified", 0) == 0, (call, st)
+        assert len(st["reasons"]) == 1 and "column subset" in st["reasons"][0], (call, st["reasons"])
+        assert "the full head, stock's tokens for the seed" in st["reasons"][0], (call, st["reasons"])
+        warned = [r.getMessage() for r in caplog.records if "column subset" in r.getMessage()]
+        if call == "first":  # the probe runs (once per head and setting) and says what the call then does
+            assert len(warned) == 1 and _PROBE_WARNING in warned[0], warned
+        else:
+            assert warned == [], warned
+
+
+def test_sample_mode_keeps_the_own_draw_where_the_probe_finds_no_kernel(monkeypatch):
+    """``CSVConfig(mode="sample")`` asks for hf_csv's own draw (stock's law, not its stream) on any host: it reads no
+    value bit for bit, so a failing probe leaves it as it is, and the stats say so (``mode=sample``)."""
+    from hf_csv import certificate
+
+    monkeypatch.setattr(certificate, "probe_subset_kernel", lambda *a, **k: None)
+    m = hf_csv.enable(tiny_llama(vocab=4099, scale=20.0))
+    m.generate(**_ids(batch=1, vocab=4099), max_new_tokens=4, do_sample=True, top_k=50,
+               csv_config=CSVConfig(mode="sample"))
+    st = m.csv_last_stats
+    assert st["mode"] == "sample" and st["certified"] > 0 and st["reasons"] == [], st
+
+
+def test_top_k_sampling_where_the_probe_finds_a_kernel_is_certified_and_stocks_tokens():
+    """The positive control: where this host's probe finds a kernel (a tiny Llama, V 1031: the blocked kernel on
+    this project's host, every MKL code path), top-k sampling runs the certified top-K plan and stock's sampler on
+    stock's values: stock's tokens for the seed, rows certified, no reason."""
+    import copy
+
+    from hf_csv.certificate import probe_subset_kernel
+
+    ref = tiny_llama(vocab=1031, scale=20.0)
+    if probe_subset_kernel(ref.lm_head.weight.detach(), None) is None:
+        pytest.skip("this host's BLAS matches no subset kernel on this head")
+    m = hf_csv.enable(copy.deepcopy(ref))
+    x = _ids(batch=1, vocab=1031)
+    for kw in (dict(top_k=50), dict(top_k=20, temperature=0.8)):
+        gen = dict(max_new_tokens=10, do_sample=True, **kw)
+        torch.manual_seed(0)
+        want = ref.generate(**x, **gen)
+        torch.manual_seed(0)
+        got = m.generate(**x, **gen, csv_config=CSVConfig())
+        st = m.csv_last_stats
+        assert torch.equal(got, want), (kw, got, want)
+        assert st["mode"] == "topk" and st["certified"] > 0 and st["reasons"] == [], (kw, st)

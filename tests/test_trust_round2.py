@@ -443,14 +443,15 @@ def test_speed_guard_prior_starts_large_calls_on_the_full_head():
 @pytest.mark.parametrize("exact", [True, False])
 def test_value_reading_plans_need_the_subset_probe(monkeypatch, exact):
     """Where a probe found a column subset rounding differently from the full call, plans that hand the values to
-    stock's sampler use hf_csv's own draw (top-k with temperature) or the full head (min-p, top-k with top-p), and
-    greedy stays certified; where it found none, the stock-stream plans run."""
+    stock's sampler (top-k with temperature, min-p, top-k with top-p) use the full head, so sampling keeps stock's
+    tokens for the seed as the docs promise, and greedy stays certified; where it found none, the stock-stream plans
+    run. (Before, top-k with temperature ran hf_csv's own draw there: stock's law, not its tokens.)"""
     from hf_csv.certificate import CertifiedHead
 
     monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: exact)
     m = hf_csv.enable(tiny_llama(scale=20.0))
     x = _ids()
-    want = {"greedy": "topk", "topk": "topk" if exact else "sample", "minp": "threshold" if exact else "full",
+    want = {"greedy": "topk", "topk": "topk" if exact else "full", "minp": "threshold" if exact else "full",
             "topk_topp": "topk" if exact else "full"}
     calls = {"greedy": dict(do_sample=False), "topk": dict(do_sample=True, top_k=20, temperature=0.8),
              "minp": dict(do_sample=True, top_k=0, min_p=0.1), "topk_topp": dict(do_sample=True, top_k=20, top_p=0.9)}
