@@ -18,6 +18,7 @@ its output is bitwise the stock output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -248,6 +249,14 @@ def _device_hooks_only(mod: nn.Module) -> bool:
     return getattr(old, "__func__", None) is nn.Linear.forward and getattr(old, "__self__", None) is mod
 
 
+def _parallel_code(fn: Any) -> bool:
+    """Whether ``fn`` (a hook or a forward) is transformers' or torch.distributed's code (tensor parallelism)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    mod = getattr(getattr(fn, "__func__", fn), "__module__", None) or ""
+    return mod.startswith(("transformers.", "torch.distributed."))
+
+
 def _describe(mod: nn.Module) -> str:
     kind = type(mod)
     if kind.__module__.startswith("peft.") and hasattr(mod, "base_layer"):
@@ -285,10 +294,19 @@ def head_decline_reason(mod: Any, name: str = "lm_head") -> Optional[str]:
         return f"{name}'s weights are {w.dtype}, not float32/bfloat16/float16: hf_csv runs the full head"
     from torch.nn.modules import module as _m
 
-    if mod._forward_hooks or mod._forward_pre_hooks or _m._global_forward_hooks or _m._global_forward_pre_hooks:
+    from .distributed import local_shard_of
+
+    # a head sharded by vocabulary (transformers' tensor parallelism: a row-sharded DTensor weight) comes with
+    # transformers' (or torch.distributed's) forward or hooks gathering its output, which the vocabulary-parallel
+    # head computes itself (hf_csv.distributed)
+    tp = local_shard_of(w) is not None
+    hooks = [*mod._forward_hooks.values(), *mod._forward_pre_hooks.values()]
+    if _m._global_forward_hooks or _m._global_forward_pre_hooks or \
+            (hooks and not (tp and all(map(_parallel_code, hooks)))):
         return f"{name} has forward hooks (they may change its output): hf_csv runs the full head"
     if "_hf_hook" in mod.__dict__ or "forward" in mod.__dict__:
-        if not _device_hooks_only(mod):
+        if not (_device_hooks_only(mod) or (tp and "_hf_hook" not in mod.__dict__
+                                            and _parallel_code(mod.__dict__["forward"]))):
             hook = mod.__dict__.get("_hf_hook")
             what = f"an accelerate {type(hook).__name__}" if hook is not None else "a forward set on the instance"
             return f"{name} runs {what} (it may change its output): hf_csv runs the full head"
