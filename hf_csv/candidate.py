@@ -35,7 +35,7 @@ from ._compat import SUPPORTED, adapts_confidence_threshold, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, find_head, row_totals, summary_line
+from .head import CSVSession, find_head, head_decline_reason, row_totals, summary_line
 from .plan import Bounded, Full
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
@@ -242,10 +242,15 @@ def _patched(model: nn.Module, orig: Callable) -> Callable:
             sess.reports["assistant_settings"] = applied
         if sess.config.draft_head == "subvocab" or sess.gumbel is not None:
             try:
-                find_head(gen.assistant_model)
+                name, head = find_head(gen.assistant_model)
             except CSVError as e:
                 sess.note(f"draft head stays stock: {e}")
                 return gen
+            why = head_decline_reason(head, name)
+            if why is not None:  # (each draft session is declined with it: new_session)
+                sess.note(f"draft head stays stock: {why}")
+                if sess.gumbel is None:
+                    return gen  # stock's drafting; Gumbel-coupled drafts draw on the full head (a draft session)
             _attach_draft_head(gen, sess.config, sess)
         return gen
 
@@ -332,8 +337,9 @@ def quantized_assistant(model: nn.Module) -> nn.Module:
         draft = copy.deepcopy(model)
         draft.generation_config = copy.deepcopy(model.generation_config)
     _, head = find_head(draft)
+    keep = {id(m) for m in head.modules()}  # the head and, for a wrapper (a peft LoRA layer), what it wraps
     spec = {name: default_dynamic_qconfig for name, mod in draft.named_modules()
-            if isinstance(mod, nn.Linear) and mod is not head}
+            if isinstance(mod, nn.Linear) and id(mod) not in keep}
     if not spec:
         raise CSVError(f"{type(model).__name__}: no Linear layers besides the head to quantize")
     with warnings.catch_warnings():

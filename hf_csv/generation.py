@@ -260,23 +260,43 @@ def enable(model: nn.Module) -> nn.Module:
     whose ``generate`` runs on the copy.
     """
     _version_reason()
-    find_head(model)  # fail now for unsupported models
-    if getattr(model.__dict__.get("generate"), "_hf_csv", False):
+    target = _head_owner(model)  # fail now for a model without an output head (a head hf_csv cannot certify is
+    # accepted: its calls run stock's head with the reason, hf_csv.head.head_decline_reason)
+    if getattr(target.__dict__.get("generate"), "_hf_csv", False):
         return model
-    model.__dict__["generate"] = types.MethodType(_generate, model)
+    target.__dict__["generate"] = types.MethodType(_generate, target)
     return model
+
+
+def _head_owner(model: nn.Module) -> nn.Module:
+    """The model that holds the output head: ``model``, or, for a peft ``PeftModel`` (which has no head of its
+    own, and whose ``generate`` calls its base model's with the same keywords), its base model."""
+    try:
+        find_head(model)
+        return model
+    except CSVError:
+        base = getattr(model, "get_base_model", None)
+        inner = base() if callable(base) and type(model).__module__.startswith("peft.") else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            raise
+        find_head(inner)
+        return inner
 
 
 def refresh(model: nn.Module) -> nn.Module:
     """Forget the cached screens of ``model``'s head. Needed only after writing its weights through
     ``.data`` (which bypasses the version counters the cache checks; peft's LoRA merge does), which the cache's
     sampled row check (:class:`hf_csv.head.WeightProbe`) may not see; returns the model."""
-    forget_heads(find_head(model)[1])
+    forget_heads(find_head(_head_owner(model))[1])
     return model
 
 
 def disable(model: nn.Module) -> nn.Module:
     """Undo :func:`enable` (the class's generate is used again)."""
+    try:
+        model = _head_owner(model)
+    except CSVError:
+        pass
     if getattr(model.__dict__.get("generate"), "_hf_csv", False):
         del model.__dict__["generate"]
     model.__dict__.pop("_hf_csv_head", None)  # the head wrapper kept for compiled graphs (hf_csv.head.swapped_head)

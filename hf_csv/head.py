@@ -18,6 +18,7 @@ its output is bitwise the stock output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -36,7 +37,8 @@ from .step import CSVHead, StepState, activated
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head", "summary_line"]
+__all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head",
+           "head_decline_reason", "summary_line"]
 
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
@@ -223,8 +225,10 @@ def _tlog(name: str = "hf_csv"):
     return tlogging.get_logger(f"transformers.{name}")
 
 
-def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
-    """The attribute name and module of the model's output head (``lm_head`` or ``proj_out``)."""
+def find_head(model: nn.Module) -> tuple[str, nn.Module]:
+    """The attribute name and module of the model's output head (``lm_head`` or ``proj_out``), whatever its type:
+    :func:`head_decline_reason` says whether hf_csv can certify it (a call on a head it cannot certify runs stock's
+    head). Raises :class:`CSVError` only for a model with neither."""
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(out, CSVHead):
         out = out.inner
@@ -233,11 +237,101 @@ def find_head(model: nn.Module) -> tuple[str, nn.Linear]:
         if isinstance(mod, CSVHead):
             mod = mod.inner
         if mod is not None and (out is None or mod is out):
-            if not isinstance(mod, nn.Linear):
-                raise CSVError(f"{type(model).__name__}.{name} is a {type(mod).__name__}, not nn.Linear; "
-                               "hf_csv cannot certify it")
             return name, mod
     raise CSVError(f"{type(model).__name__} has no lm_head/proj_out output head that hf_csv supports")
+
+
+CERTIFIABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OFFLOADED = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are loaded only inside "
+             "accelerate's hook")
+
+
+def _plain(t: Optional[torch.Tensor]) -> bool:
+    """A plain tensor (or a Parameter of one), or a DTensor (tensor parallel) whose local shard is one; None (no
+    bias) too. A tensor subclass (torchao's quantized weights, a parametrization's output...) is not: its values
+    are not the floats the screen would read."""
+    if t is None or type(t) in (torch.Tensor, nn.Parameter):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return isinstance(t, DTensor) and type(t.to_local()) in (torch.Tensor, nn.Parameter)
+
+
+def _device_hooks_only(mod: nn.Module) -> bool:
+    """Whether the module's accelerate hooks only move tensors between devices (``dispatch_model`` across devices:
+    an ``AlignDevicesHook`` without offload around ``nn.Linear.forward``), which changes no value."""
+    hook = mod.__dict__.get("_hf_hook")
+    hooks = list(getattr(hook, "hooks", None) or []) if type(hook).__name__ == "SequentialHook" else [hook]
+    if not hooks or any(type(h).__name__ != "AlignDevicesHook" or getattr(h, "offload", True) for h in hooks):
+        return False
+    old = mod.__dict__.get("_old_forward")
+    return getattr(old, "__func__", None) is nn.Linear.forward and getattr(old, "__self__", None) is mod
+
+
+def _parallel_code(fn: Any) -> bool:
+    """Whether ``fn`` (a hook or a forward) is transformers' or torch.distributed's code (tensor parallelism)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    mod = getattr(getattr(fn, "__func__", fn), "__module__", None) or ""
+    return mod.startswith(("transformers.", "torch.distributed."))
+
+
+def _describe(mod: nn.Module) -> str:
+    kind = type(mod)
+    if kind.__module__.startswith("peft.") and hasattr(mod, "base_layer"):
+        what = f"a peft {'LoRA ' if '.lora' in kind.__module__ else ''}{kind.__name__}"
+        if getattr(mod, "merged", False):
+            return (f"{what} holding a merged adapter (peft's wrapper computes it; merge_and_unload() gives a plain "
+                    "nn.Linear, which hf_csv certifies)")
+        return f"{what} (an unmerged adapter: W x + b + s B A x)"
+    if "quantiz" in kind.__module__:
+        return f"a quantized {kind.__module__}.{kind.__name__}"
+    return f"a {kind.__module__}.{kind.__name__}, not nn.Linear"
+
+
+def head_decline_reason(mod: Any, name: str = "lm_head") -> Optional[str]:
+    """Why hf_csv cannot certify the output head module ``mod`` (the call then runs stock's head), or None.
+
+    The certificate bounds ``W x + b`` for a plain float ``W`` and ``b`` (docs/certificates.md): a head is certified
+    only when it is exactly that, i.e. ``type(mod) is nn.Linear`` (not a subclass, nor a wrapper such as peft's
+    LoRA layer or a quantized Linear), its weight and bias plain tensors (or DTensor shards of them; not a tensor
+    subclass such as torchao's quantized weights) of a float dtype hf_csv certifies, not on the meta device
+    (offloaded), and nothing that could change its output runs around its forward: no forward hook or pre-hook
+    (its own or global), no forward set on the instance, no accelerate hook other than a device move."""
+    if isinstance(mod, CSVHead):
+        mod = mod.inner
+    if type(mod) is not nn.Linear:
+        return f"{name} is {_describe(mod)}: hf_csv runs the full head (the screen bounds a plain nn.Linear only)"
+    w, b = mod.weight, mod.bias
+    for what, t in (("weight", w), ("bias", b)):
+        if not _plain(t):
+            return (f"{name}'s {what} is a {type(t).__module__}.{type(t).__name__} (a tensor subclass, e.g. "
+                    "quantized weights), not a plain tensor: hf_csv runs the full head")
+    if w.device.type == "meta" or (b is not None and b.device.type == "meta"):
+        return OFFLOADED
+    if w.dtype not in CERTIFIABLE_DTYPES or (b is not None and b.dtype not in CERTIFIABLE_DTYPES):
+        return f"{name}'s weights are {w.dtype}, not float32/bfloat16/float16: hf_csv runs the full head"
+    from torch.nn.modules import module as _m
+
+    from .distributed import local_shard_of
+
+    # a head sharded by vocabulary (transformers' tensor parallelism: a row-sharded DTensor weight) comes with
+    # transformers' (or torch.distributed's) forward or hooks gathering its output, which the vocabulary-parallel
+    # head computes itself (hf_csv.distributed)
+    tp = local_shard_of(w) is not None
+    hooks = [*mod._forward_hooks.values(), *mod._forward_pre_hooks.values()]
+    if _m._global_forward_hooks or _m._global_forward_pre_hooks or \
+            (hooks and not (tp and all(map(_parallel_code, hooks)))):
+        return f"{name} has forward hooks (they may change its output): hf_csv runs the full head"
+    if "_hf_hook" in mod.__dict__ or "forward" in mod.__dict__:
+        if not (_device_hooks_only(mod) or (tp and "_hf_hook" not in mod.__dict__
+                                            and _parallel_code(mod.__dict__["forward"]))):
+            hook = mod.__dict__.get("_hf_hook")
+            what = f"an accelerate {type(hook).__name__}" if hook is not None else "a forward set on the instance"
+            return f"{name} runs {what} (it may change its output): hf_csv runs the full head"
+    return None
 
 
 def _weight_key(head: nn.Linear) -> tuple:
@@ -504,5 +598,6 @@ def set_static_plan(model: nn.Module, plan: Any, own: bool) -> bool:
         return ok
 
 
-def model_out_dtype(model: nn.Module, head: nn.Linear) -> torch.dtype:
-    return head.weight.dtype if head.weight.is_floating_point() else torch.float32
+def model_out_dtype(model: nn.Module, head: nn.Module) -> torch.dtype:
+    w = getattr(head, "weight", None)  # (a quantized Linear's weight is a method)
+    return w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else torch.float32

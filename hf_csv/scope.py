@@ -26,7 +26,7 @@ from hf_csv_kernels.quantize import NonFiniteWeightError
 from ._compat import cache_kwarg
 from .certificate import CertStats
 from .config import CSVConfig
-from .head import CSVSession, find_head, head_entry, model_out_dtype, set_static_plan, swapped_head
+from .head import CSVSession, find_head, head_decline_reason, head_entry, model_out_dtype, set_static_plan, swapped_head
 from .patches import instance_override, shared
 from .plan import Full
 from .policy import check_stopping_criteria, decide_compiled, decide_mode
@@ -42,14 +42,15 @@ _HOOKS: dict[int, list] = {}  # id(model) -> [undo, refcount]
 
 def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     """A session of ``config`` on ``model``: the cached certified head, the model dtype and the
-    architecture's post-head map (unknown map or offloaded head: the call is declined, with a reason)."""
-    _, head = find_head(model)
-    offloaded = head.weight.device.type == "meta"  # accelerate offload: weights exist only inside its hook
+    architecture's post-head map (a head hf_csv cannot certify, e.g. offloaded, wrapped or quantized, or an unknown
+    map: the call is declined, with a reason; hf_csv.head.head_decline_reason)."""
+    name, head = find_head(model)
+    unfit = head_decline_reason(head, name)  # (before any weight is read: a wrapper's may be no tensor)
     post, why = post_head_of(model)
-    on_cuda = cuda_reason(head.weight)  # decided before any screen is built (hf_csv.speed)
+    on_cuda = None if unfit else cuda_reason(head.weight)  # decided before any screen is built (hf_csv.speed)
     nonfinite = None
     try:
-        entry = None if offloaded or post is None or on_cuda else head_entry(head, config)
+        entry = None if unfit or post is None or on_cuda else head_entry(head, config)
     except NonFiniteWeightError:  # (no screen is cached: a head repaired in place certifies again)
         entry, nonfinite = None, ("the head's weights hold NaN or infinite values: no bound holds, stock's head "
                                   "computes the call")
@@ -57,9 +58,8 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
                       out_dtype=model_out_dtype(model, head), post=post, cache_kwarg=cache_kwarg())
     if nonfinite is not None:
         sess.force_full = nonfinite
-    elif offloaded:
-        sess.force_full = ("the output head is offloaded (device_map 'cpu'/'disk' offload): its weights are "
-                           "loaded only inside accelerate's hook")
+    elif unfit:
+        sess.force_full = unfit
     elif post is None:
         sess.force_full = why
     elif on_cuda:

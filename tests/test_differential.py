@@ -228,6 +228,9 @@ def _case(i: int) -> dict:
     # hand the values on S to stock's sampler must then take the full head (stock's tokens for the seed), never
     # hf_csv's own draw (stock's law only), whatever this host's BLAS does
     c["probe"] = "fail" if kind == "sample" and random.Random(67867967 * i + 23).random() < 0.15 else "host"
+    # a head hf_csv cannot certify (hf_csv.head.head_decline_reason), its own stream: the call must run stock's head
+    c["wrap"] = random.Random(91815541 * i + 7).choices(["none", "hook", "quantize_dynamic", "lora"],
+                                                       weights=[45, 1, 1, 1])[0]
     c["kind"] = kind
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
@@ -442,7 +445,50 @@ def _classes(c: dict) -> list:
         out.append("dtype:float16")
     if c.get("probe", "host") != "host":
         out.append(f"probe:{c['probe']}")
+    if c.get("wrap", "none") != "none":
+        out.append(f"head:{c['wrap']}")
     return out
+
+
+@contextlib.contextmanager
+def _head_wrapper(m, c: dict):
+    """The case's model with its head wrapped (``c["wrap"]``): a forward hook (removed after), or, on a copy (the
+    models are cached), a dynamically quantized head (float32 models) or a peft LoRA layer (where peft imports;
+    else the hook)."""
+    import copy
+
+    from hf_csv.head import find_head
+
+    wrap = c.get("wrap", "none")
+    if wrap == "quantize_dynamic" and c["dtype"] != torch.float32:
+        wrap = "hook"
+    if wrap == "lora":
+        try:
+            import peft
+        except ImportError:
+            wrap = "hook"
+    name, head = find_head(m)
+    if wrap == "none":
+        yield m
+    elif wrap == "hook":
+        h = head.register_forward_hook(lambda mod, i, o: o)  # (changes nothing: still not provably W x + b)
+        try:
+            yield m
+        finally:
+            h.remove()
+    else:
+        w = copy.deepcopy(m)
+        if wrap == "lora":
+            peft.inject_adapter_in_model(peft.LoraConfig(target_modules=[name], r=2, init_lora_weights=False), w)
+        else:
+            from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize_dynamic(w, {name: default_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        yield w
 
 
 def _grad_context(c: dict):
@@ -455,8 +501,11 @@ def _grad_context(c: dict):
 def _run(c: dict, n_sampling: int) -> dict:
     m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0),
                c.get("vocab"))  # (built outside the autograd context)
-    with _grad_context(c), _probe_context(c):
-        return _run_in(m, c, n_sampling)
+    with _head_wrapper(m, c) as m, _grad_context(c), _probe_context(c):
+        res = _run_in(m, c, n_sampling)
+    if c.get("wrap", "none") != "none" and res["ok"] and res["status"] == "certified":
+        res.update(ok=False, why=f"a {c['wrap']} head was certified")
+    return res
 
 
 def _probe_context(c: dict):

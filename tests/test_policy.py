@@ -153,6 +153,7 @@ def test_beam_notice_is_a_transformers_log_record_the_user_can_filter(caplog):
         tlogging.set_verbosity(level)
         tlogging.disable_propagation()
 
+
 # ------------------------------------------------------------------ value-reading sampling and the column-subset probe
 _PROBE_WARNING = "uses the full head here"
 
