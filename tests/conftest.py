@@ -219,3 +219,21 @@ def assist_pair():
     import hf_csv
 
     return hf_csv.enable(assist_llama(2, 0)), assist_llama(1, 1)
+
+
+@pytest.fixture
+def fixed_threshold(monkeypatch):
+    """Stock's candidate generator as without scikit-learn: the assistant's confidence threshold stays what it was set
+    to. With scikit-learn importable, stock re-chooses it after every round from the draft's whole rows and a greedy
+    draft then takes the full head (hf_csv._compat.adapts_confidence_threshold); tests of the certified draft head use
+    this fixture so that they test it in either environment (the ROC path has tests and fuzzer cases of its own)."""
+    from transformers.generation import candidate_generator
+
+    monkeypatch.setattr(candidate_generator, "is_sklearn_available", lambda: False)
+
+
+def roc_adapts(threshold: float) -> bool:
+    """Whether stock assisted generation adapts a non-zero confidence threshold here (scikit-learn importable)."""
+    from transformers.generation import candidate_generator
+
+    return bool(threshold) and candidate_generator.is_sklearn_available()
