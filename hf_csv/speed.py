@@ -322,16 +322,22 @@ class SpeedGuard:
         start = full if start_full is None else start_full
         return self._ctl.pick(key, "c", "f", start="f" if start else "c", wait=full if wait is None else wait) == "c"
 
-    def lost(self, keys) -> bool:
+    def lost(self, keys, by: float = 0.0) -> bool:
         """Read-only: whether any of ``keys`` keeps the full head, decided on samples of both sides (a probe's
-        included: a key that started on the full head decides on one certified call)."""
+        included: a key that started on the full head decides on one certified call), its certified median more than
+        ``by`` times the full head's."""
         ctl = self._ctl
         with ctl._lock:
             for k in keys:
                 st = self._state.get(k)
-                if st is not None and st.best == "f" and st.win["c"] and st.win["f"]:
+                if st is not None and st.best == "f" and st.win["c"] and st.win["f"] and \
+                        ctl._stat(st.win["c"]) > by * ctl._stat(st.win["f"]):
                     return True
         return False
+
+    def choice(self, key) -> Optional[str]:
+        """``"c"`` or ``"f"``: the current choice for ``key`` (None before its first call)."""
+        return self._ctl.best(key)
 
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled

@@ -11,16 +11,19 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
 * an **unseeded sampling** row (temperature > 0, optionally top-k; no top-p, no min-p) gets one exact draw from
   stock's law, softmax(top-k(logits / T)) of vLLM's own logits (``CertifiedHead.sample``, lazy Gumbel-max), handed
   to vLLM's sampler as a row that is 0 at the drawn token and −inf elsewhere, which every sampler step keeps. The
-  law is stock's; the token for a given random state is not (vLLM draws its own noise), which is all an unseeded
-  request asks for;
+  law is stock's; the token for a given random state is not (hf_csv draws its own noise): with a fixed engine seed
+  stock repeats its unseeded tokens and the plugin gives other ones, repeatable only where the same steps take the
+  same head (the speed guard's choices follow timings; docs/vllm.md, "Reproducibility"); a request's ``seed`` gives
+  vLLM's tokens;
 * a **seeded** sampling row with a top-k (below V), or any sampling row with top-p / min-p after a top-k, gets
   stock's padded row: vLLM's values on a set S that holds stock's top-k (``CertifiedHead.topk(k)``), −inf elsewhere,
   so vLLM's own sampler draws the token it draws for that seed, where no token sits at the top-p or min-p cut
   (:func:`sampler_boundary_unsure`: vLLM's top-p orders equal values by the whole row; otherwise the row is
   vLLM's own). The values on S come from vLLM's own GEMM on the
   gathered rows, which equals its full call bit for bit only by measurement (:func:`probe_subset_kernel`, run once
-  per head and once per batch size of at most ``PROBE_ROWS`` rows; where it fails these rows are declined): this plan
-  rests on that probe, not on a proof.
+  per head at model load and once per batch size of at most ``PROBE_ROWS`` rows, on that size's first such batch
+  against vLLM's head on it, which that batch returns; where it fails these rows are declined): this plan rests on
+  that probe, not on a proof.
 
 Wherever the certificate needs stock's whole row (a near tie within the recomputed values' slack, a sub-vocabulary
 over the budget), it is vLLM's own head, called once on the whole batch, so those rows are vLLM's values bit for
@@ -39,7 +42,9 @@ values themselves or something between the head and the sampler changes entries:
 * speculative decoding, a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range);
-* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
+* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`); a shape not
+  measured yet starts on vLLM's head (its first calls cost stock's time plus the guard's decision), and is not tried
+  certified while fewer rows of the same kind keep vLLM's head by more than ``GUARD_CANNOT_WIN``.
 
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
 to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the sampling law assumes vLLM's sampler
@@ -85,6 +90,9 @@ _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", d
 _LOCK = threading.Lock()
 _REGISTERED = False
 GUARD_MARGIN = 1.05  # vLLM's head is kept unless the certified head's median is below its median / 1.05
+# a batch size's certified head is not tried while fewer rows of the same kind keep vLLM's head with a certified
+# median more than this many times its own (the guard's clear loser)
+GUARD_CANNOT_WIN = 1.5
 _LAYERS: "weakref.WeakSet" = weakref.WeakSet()  # this process's plugin layers (their speed guards' summaries)
 _STATS: dict[str, Any] = {"rows": 0, "certified": 0, "sampled": 0, "full": 0, "declined": Counter()}
 _PREBUILT = [0]  # heads whose screens :func:`prebuild` built at model load in this process (not reset)
@@ -655,6 +663,11 @@ def _weights_finite(layer: Any, w: torch.Tensor) -> bool:
     return got[1]
 
 
+def _smaller_keys(guard: SpeedGuard, key: tuple) -> list:
+    """The guard's keys of the same kind, dtype and threads as ``key`` (kind, rows, dtype, threads) with fewer rows."""
+    return [k for k in list(guard._state) if k[0] == key[0] and k[2:] == key[2:] and k[1] < key[1]]
+
+
 def _max_rows() -> int:
     """Rows above which the plugin does not try the certified head (the speed guard decides below)."""
     return int(os.environ.get("HF_CSV_VLLM_MAX_ROWS", "64"))
@@ -937,12 +950,20 @@ def _layer_class():
             if guard is not None and not tp:
                 # a new key starts on vLLM's head (its first calls cost stock's time plus this decision) and tries the
                 # certified head once after two of them; where fewer rows of the same kind already keep vLLM's head,
-                # the certified one (whose per-row work grows faster than vLLM's GEMM) waits a max_probe
-                wait = None
+                # the certified one (whose per-row work grows faster than vLLM's GEMM) waits a max_probe, and is not
+                # tried at all while they keep it by more than GUARD_CANNOT_WIN: a probe that cannot win (one
+                # certified sampling call of 32 rows cost a Gemma-3 pass 0.77x of stock's)
+                smaller = None
                 if key not in guard._state:
-                    wait = rows >= PRIOR_FULL_ROWS or guard.lost(
-                        [k for k in list(guard._state) if k[0] == kinds and k[2:] == key[2:] and k[1] < rows])
-                if not guard.certified(key, rows, start_full=True, wait=wait):
+                    smaller = _smaller_keys(guard, key)
+                    wait = rows >= PRIOR_FULL_ROWS or guard.lost(smaller)
+                else:
+                    wait = None
+                use = guard.certified(key, rows, start_full=True, wait=wait)
+                if use and guard.choice(key) == "f" and guard.lost(
+                        _smaller_keys(guard, key) if smaller is None else smaller, by=GUARD_CANNOT_WIN):
+                    return vllms_head("speed guard")  # (a probe skipped: not a sample of either side)
+                if not use:
                     out = vllms_head("speed guard")
                     guard.record(key, False, time.perf_counter() - t0)
                     return out

@@ -667,6 +667,9 @@ def test_a_new_batch_size_costs_vllms_head_plus_a_decision(monkeypatch):
     for _ in range(32):  # a pass of 32 steps at 16 rows: stock's head on every step, the certified head never
         step(_step_sm([0.0] * 16), H16)
     assert calls == [16] * 32 and topk_calls == []
+    for _ in range(3 * guard.max_probe):  # one row keeps vLLM's head by 2x: a probe at 16 rows cannot win, none runs
+        step(_step_sm([0.0] * 16), H16)
+    assert topk_calls == []
 
 
 def test_a_new_batch_sizes_subset_probe_runs_on_that_batchs_vllm_head(monkeypatch):
