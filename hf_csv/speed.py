@@ -312,12 +312,32 @@ class SpeedGuard:
     def enabled() -> bool:
         return os.environ.get("HF_CSV_SPEED_GUARD", "1").strip() not in ("0", "false", "no", "off")
 
-    def certified(self, key, rows: int = 1) -> bool:
+    def certified(self, key, rows: int = 1, start_full: Optional[bool] = None, wait: Optional[bool] = None) -> bool:
         """Whether this call should run the certified head (else the full head); ``rows``: the call's head rows
         (the prior of a shape not measured yet: ``PRIOR_FULL_ROWS`` and more start on the full head and try the
-        certified one a ``max_probe`` apart)."""
+        certified one a ``max_probe`` apart). ``start_full`` / ``wait`` override that prior for a new key: start on
+        the full head (its first calls cost stock's time), and with ``wait`` try the certified head only a
+        ``max_probe`` in (else after the full head's two warm-up calls, one certified call then decides)."""
         full = rows >= PRIOR_FULL_ROWS
-        return self._ctl.pick(key, "c", "f", start="f" if full else "c", wait=full) == "c"
+        start = full if start_full is None else start_full
+        return self._ctl.pick(key, "c", "f", start="f" if start else "c", wait=full if wait is None else wait) == "c"
+
+    def lost(self, keys, by: float = 0.0) -> bool:
+        """Read-only: whether any of ``keys`` keeps the full head, decided on samples of both sides (a probe's
+        included: a key that started on the full head decides on one certified call), its certified median more than
+        ``by`` times the full head's."""
+        ctl = self._ctl
+        with ctl._lock:
+            for k in keys:
+                st = self._state.get(k)
+                if st is not None and st.best == "f" and st.win["c"] and st.win["f"] and \
+                        ctl._stat(st.win["c"]) > by * ctl._stat(st.win["f"]):
+                    return True
+        return False
+
+    def choice(self, key) -> Optional[str]:
+        """``"c"`` or ``"f"``: the current choice for ``key`` (None before its first call)."""
+        return self._ctl.best(key)
 
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled

@@ -11,16 +11,19 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
 * an **unseeded sampling** row (temperature > 0, optionally top-k; no top-p, no min-p) gets one exact draw from
   stock's law, softmax(top-k(logits / T)) of vLLM's own logits (``CertifiedHead.sample``, lazy Gumbel-max), handed
   to vLLM's sampler as a row that is 0 at the drawn token and −inf elsewhere, which every sampler step keeps. The
-  law is stock's; the token for a given random state is not (vLLM draws its own noise), which is all an unseeded
-  request asks for;
+  law is stock's; the token for a given random state is not (hf_csv draws its own noise): with a fixed engine seed
+  stock repeats its unseeded tokens and the plugin gives other ones, repeatable only where the same steps take the
+  same head (the speed guard's choices follow timings; docs/vllm.md, "Reproducibility"); a request's ``seed`` gives
+  vLLM's tokens;
 * a **seeded** sampling row with a top-k (below V), or any sampling row with top-p / min-p after a top-k, gets
   stock's padded row: vLLM's values on a set S that holds stock's top-k (``CertifiedHead.topk(k)``), −inf elsewhere,
   so vLLM's own sampler draws the token it draws for that seed, where no token sits at the top-p or min-p cut
   (:func:`sampler_boundary_unsure`: vLLM's top-p orders equal values by the whole row; otherwise the row is
   vLLM's own). The values on S come from vLLM's own GEMM on the
   gathered rows, which equals its full call bit for bit only by measurement (:func:`probe_subset_kernel`, run once
-  per head and once per batch size of at most ``PROBE_ROWS`` rows; where it fails these rows are declined): this plan
-  rests on that probe, not on a proof.
+  per head at model load and once per batch size of at most ``PROBE_ROWS`` rows, on that size's first such batch
+  against vLLM's head on it, which that batch returns; where it fails these rows are declined): this plan rests on
+  that probe, not on a proof.
 
 Wherever the certificate needs stock's whole row (a near tie within the recomputed values' slack, a sub-vocabulary
 over the budget), it is vLLM's own head, called once on the whole batch, so those rows are vLLM's values bit for
@@ -39,7 +42,9 @@ values themselves or something between the head and the sampler changes entries:
 * speculative decoding, a quantized or LoRA head, soft cap, a logit scale
   other than 1, an embedding bias, a head dtype other than the hidden states' (``hf_overrides.head_dtype``);
 * a hidden state the certificate cannot bound (non-finite, out of range);
-* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`).
+* batch shapes where the speed guard measured vLLM's head faster (:class:`hf_csv.speed.SpeedGuard`); a shape not
+  measured yet starts on vLLM's head (its first calls cost stock's time plus the guard's decision), and is not tried
+  certified while fewer rows of the same kind keep vLLM's head by more than ``GUARD_CANNOT_WIN``.
 
 Limits: the bounds assume vLLM's head accumulates each logit in fp32 with round-to-nearest in any order and rounds
 to the model dtype once (oneDNN's and ``F.linear``'s fp32/bf16 GEMMs do); the sampling law assumes vLLM's sampler
@@ -73,7 +78,7 @@ import torch
 
 from .certificate import H_MAX, H_MIN, CertifiedHead, fp32_matmul_reason, value_interval
 from .config import lowered_k
-from .speed import SpeedGuard
+from .speed import PRIOR_FULL_ROWS, SpeedGuard
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,9 @@ _RUNNER: contextvars.ContextVar = contextvars.ContextVar("hf_csv_vllm_runner", d
 _LOCK = threading.Lock()
 _REGISTERED = False
 GUARD_MARGIN = 1.05  # vLLM's head is kept unless the certified head's median is below its median / 1.05
+# a batch size's certified head is not tried while fewer rows of the same kind keep vLLM's head with a certified
+# median more than this many times its own (the guard's clear loser)
+GUARD_CANNOT_WIN = 1.5
 _LAYERS: "weakref.WeakSet" = weakref.WeakSet()  # this process's plugin layers (their speed guards' summaries)
 _STATS: dict[str, Any] = {"rows": 0, "certified": 0, "sampled": 0, "full": 0, "declined": Counter()}
 _PREBUILT = [0]  # heads whose screens :func:`prebuild` built at model load in this process (not reset)
@@ -295,21 +303,28 @@ def engine_subset_kernel(W: torch.Tensor) -> Callable[[torch.Tensor, torch.Tenso
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     n = W.shape[0]
+    last: list = []  # (cols, part) of the last call: the probe calls one subset on several row slices in a row
 
     def kernel(Hn: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         m = cols.numel()
-        if m < _MIN_SUBSET:
-            cols = torch.cat([cols, torch.arange(_MIN_SUBSET - m, device=cols.device) % n])
-        part = torch.nn.Module()
-        part.weight = torch.nn.Parameter(W[cols].contiguous(), requires_grad=False)
-        dispatch_cpu_unquantized_gemm(part, remove_weight=False)
+        if last and last[0][0] is cols:  # (the same tensor object, held here: its rows are the same)
+            part = last[0][1]
+        else:
+            padded = cols
+            if m < _MIN_SUBSET:
+                padded = torch.cat([cols, torch.arange(_MIN_SUBSET - m, device=cols.device) % n])
+            part = torch.nn.Module()
+            part.weight = torch.nn.Parameter(W[padded].contiguous(), requires_grad=False)
+            dispatch_cpu_unquantized_gemm(part, remove_weight=False)
+            last[:] = [(cols, part)]
         return part.cpu_linear(Hn, part.weight, None)[:, :m]
     return kernel
 
 
 def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                         full: Callable[[torch.Tensor], torch.Tensor], hidden: int, vocab: int,
-                        dtype: torch.dtype, seed: int = 0, rows: Optional[int] = None) -> bool:
+                        dtype: torch.dtype, seed: int = 0, rows: Optional[int] = None,
+                        H: Optional[torch.Tensor] = None, ref: Optional[torch.Tensor] = None) -> bool:
     """Whether ``kernel(H, cols)`` (the engine's own GEMM on the head's rows ``cols``) equals its full call's
     columns ``cols`` bit for bit, on subsets of 1 to 1,000 rows (random, a block, the tail): for full calls of 8 and
     ``PROBE_ROWS`` rows and row slices of 1 to all of them (``rows`` None), or for a full call of ``rows`` rows and
@@ -317,18 +332,28 @@ def probe_subset_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     Each slice is a fresh contiguous tensor, as ``certify_batch`` passes a plan's rows. Plans that hand hf_csv's
     values to vLLM's sampler (``RowPlan.values``) need that property, which no proof gives (a probe is evidence, as
     ``CertifiedHead.subset_exact`` is for ``F.linear``: docs/certificates.md §2.0); they run in batches of at most
-    ``PROBE_ROWS`` rows, each batch size probed."""
+    ``PROBE_ROWS`` rows, each batch size probed.
+
+    ``H`` (with ``rows`` None): the batch size's probe on these hidden states, a batch's own, against ``ref``, the
+    full call's output on them where the caller has it (vLLM's head on that batch: the probe then costs no full call
+    of its own), else ``full(H)``; the same subsets and row slices as ``rows=H.shape[0]``."""
     g = torch.Generator().manual_seed(seed)
     subsets = [torch.randperm(vocab, generator=g)[:m].sort().values for m in (1, 2, 3, 16, 257, min(1000, vocab))]
     subsets += [torch.arange(min(1000, vocab)), torch.arange(max(0, vocab - 300), vocab)]
+    given = H
+    if given is not None:
+        rows = given.shape[0]
     if rows is None:
         plan = ((8, ((0, 1), (2, 5), (0, 8))), (PROBE_ROWS, ((0, 1), (5, 22), (10, 50), (0, PROBE_ROWS))))
     else:
         n = int(rows)
         plan = ((n, tuple(sorted({(0, 1), (0, max(1, n // 2)), (n // 3, n), (0, n)}))),)
     for n, slices in plan:
-        H = (torch.randn(n, hidden, generator=g) * 3).to(dtype)
-        ref = full(H)
+        if given is None:
+            H = (torch.randn(n, hidden, generator=g) * 3).to(dtype)
+            ref = full(H)
+        elif ref is None:
+            ref = full(H)
         for cols in subsets:
             for a, b in slices:
                 part = H if (a, b) == (0, n) else H[a:b].clone()
@@ -633,8 +658,14 @@ def _weights_finite(layer: Any, w: torch.Tensor) -> bool:
     key = weight_key(w, w.shape[0])
     got = getattr(layer, "_hf_csv_finite", None)
     if got is None or got[0] != key:
-        got = layer._hf_csv_finite = (key, bool(torch.isfinite(w).all()))
+        # by blocks of rows: no V×d bool tensor (its first touch cost a first step 0.6 s on SmolLM2)
+        got = layer._hf_csv_finite = (key, all(bool(torch.isfinite(c).all()) for c in w.detach().split(4096)))
     return got[1]
+
+
+def _smaller_keys(guard: SpeedGuard, key: tuple) -> list:
+    """The guard's keys of the same kind, dtype and threads as ``key`` (kind, rows, dtype, threads) with fewer rows."""
+    return [k for k in list(guard._state) if k[0] == key[0] and k[2:] == key[2:] and k[1] < key[1]]
 
 
 def _max_rows() -> int:
@@ -743,13 +774,20 @@ def _layer_class():
             with torch.inference_mode(False), torch.no_grad():
                 # packed now; the columns' re-choice from the first real rows stays off the decode path
                 self._certified_head(lm_head).prepare(H)
+            # the first step's other one-off work: the weights' finiteness check, and vLLM's subset kernel's probe on
+            # synthetic rows (its full calls of 8 and 64 rows), so that the first certified calls pay neither
+            _weights_finite(self, w)
+            if getattr(lm_head, "tp_size", 1) == 1 and hasattr(self, "_apply_head"):
+                self._subset_kernel(lm_head, None)
             return True
 
-        def _subset_kernel(self, lm_head, rows: int) -> tuple[Callable, bool]:
+        def _subset_kernel(self, lm_head, rows: Optional[int]) -> tuple[Callable, Optional[bool]]:
             """vLLM's own GEMM dispatch on a subset of this head's rows, and whether values rows may use it: it
-            computes them bit for bit as its full call (:func:`probe_subset_kernel`, once per weights, and once per
-            batch size of ``rows`` rows), and vLLM's top-k / top-p is its PyTorch path (the one
-            :func:`sampler_boundary_unsure` models; a Triton build's kernel is not checked: declined)."""
+            computes them bit for bit as its full call (:func:`probe_subset_kernel`, once per weights, at model load
+            where :func:`prebuild` runs, and once per batch size of ``rows`` rows), and vLLM's top-k / top-p is its
+            PyTorch path (the one :func:`sampler_boundary_unsure` models; a Triton build's kernel is not checked:
+            declined). None: the batch size is not probed yet (:meth:`_probe_rows` probes it on a batch that takes
+            vLLM's head); ``rows`` None: the head's own probe only."""
             w = lm_head.weight
             n = self._hf_csv_rows(lm_head)
             key = weight_key(w, n)
@@ -768,15 +806,25 @@ def _layer_class():
                                    "seeded sampling, top-p and min-p rows take vLLM's head")
                 self._hf_csv_subset = (key, kernel, ok, full, {})
             _, kernel, ok, full, by_rows = self._hf_csv_subset
-            if ok and rows not in by_rows:
-                with torch.inference_mode(False), torch.no_grad():
-                    by_rows[rows] = probe_subset_kernel(kernel, full, lm_head.weight.shape[1], n,
-                                                        lm_head.weight.dtype, rows=rows)
-                if not by_rows[rows]:
-                    logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
-                                   "than its full call in batches of %d rows: their seeded sampling, top-p and "
-                                   "min-p rows take vLLM's head", rows)
-            return kernel, ok and by_rows[rows]
+            if not ok or rows is None:
+                return kernel, ok
+            return kernel, by_rows.get(rows)
+
+        def _probe_rows(self, lm_head, H: torch.Tensor, ref: torch.Tensor) -> bool:
+            """The subset kernel's probe for a batch of ``H``'s rows (after :meth:`_subset_kernel` answered None
+            for it), on that batch itself against ``ref``, vLLM's own head on it (the logits that batch returns):
+            the same subsets and row slices as a probe on synthetic rows, without a full call of its own."""
+            rows = H.shape[0]
+            n = self._hf_csv_rows(lm_head)
+            _, kernel, _, full, by_rows = self._hf_csv_subset
+            with torch.inference_mode(False), torch.no_grad():
+                by_rows[rows] = probe_subset_kernel(kernel, full, H.shape[1], n, H.dtype, H=H.detach(),
+                                                    ref=ref.detach()[:, :n])
+            if not by_rows[rows]:
+                logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
+                               "than its full call in batches of %d rows: their seeded sampling, top-p and "
+                               "min-p rows take vLLM's head", rows)
+            return by_rows[rows]
 
         def _hf_csv_rows(self, lm_head) -> int:
             """Rows of this rank's head weight that hold the model's own tokens (its shard's, under TP)."""
@@ -899,10 +947,26 @@ def _layer_class():
             guard = self._hf_csv_guard if self._hf_csv_guarded else None  # HF_CSV_SPEED_GUARD=0: always try
             tp = getattr(lm_head, "tp_size", 1) > 1
             t0 = time.perf_counter()
-            if guard is not None and not tp and not guard.certified(key, rows):
-                out = vllms_head("speed guard")
-                guard.record(key, False, time.perf_counter() - t0)
-                return out
+            if guard is not None and not tp:
+                # a new key starts on vLLM's head (its first calls cost stock's time plus this decision) and tries the
+                # certified head once after two of them; where fewer rows of the same kind already keep vLLM's head,
+                # the certified one (whose per-row work grows faster than vLLM's GEMM) waits a max_probe, and is not
+                # tried at all while they keep it by more than GUARD_CANNOT_WIN: a probe that cannot win (one
+                # certified sampling call of 32 rows cost a Gemma-3 pass 0.77x of stock's)
+                smaller = None
+                if key not in guard._state:
+                    smaller = _smaller_keys(guard, key)
+                    wait = rows >= PRIOR_FULL_ROWS or guard.lost(smaller)
+                else:
+                    wait = None
+                use = guard.certified(key, rows, start_full=True, wait=wait)
+                if use and guard.choice(key) == "f" and guard.lost(
+                        _smaller_keys(guard, key) if smaller is None else smaller, by=GUARD_CANNOT_WIN):
+                    return vllms_head("speed guard")  # (a probe skipped: not a sample of either side)
+                if not use:
+                    out = vllms_head("speed guard")
+                    guard.record(key, False, time.perf_counter() - t0)
+                    return out
             # (a pick of the certified head that the checks below decline is not recorded: the guard asks again)
             plans = process = subset = None
             reason = batch_decline_reason(
@@ -913,8 +977,14 @@ def _layer_class():
             if reason is None:
                 lowering = lowering_steps(sm)
                 reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=True)
-                if reason is None and any(p.values for p in plans):
+                if reason is None and not tp and any(p.values for p in plans):
                     subset, ok = self._subset_kernel(lm_head, rows)
+                    if ok is None:
+                        # this batch size's first values rows: the probe runs on this batch against vLLM's head on
+                        # it, which is what this batch returns (stock's time, plus the probe's subset calls)
+                        out = vllms_head("subset kernel probe")
+                        self._probe_rows(lm_head, hidden_states, out)
+                        return out
                     if not ok:
                         reason, plans = row_plans(sm, rows, self.org_vocab_size, lowering, values_ok=False)
                 if lowering and reason is None:

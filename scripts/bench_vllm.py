@@ -7,6 +7,9 @@ tokens/s is ``batch·(N−1) / (t_N − t_1)``. The stock side sets ``HF_CSV_VLL
 the certified fraction of the plugin side's rows and whether the token ids of both sides were identical.
 ``--sample T``: unseeded sampling at temperature T instead (``--top-k K`` adds top-k), rows the plugin draws
 itself from stock's law: tokens differ between the sides by design, so ``identical`` is not reported.
+``--passes``: each N-token pass's time, a batch size's first pass (the warm-up) included, and the plugin's first,
+median and worst pass against stock's median pass (the cost of a batch size the speed guard meets for the first time),
+on wall time and on the process's CPU time (which another process's load moves less).
 
     python scripts/bench_vllm.py --model ~/.cache/hf-csv-models/gemma3-270m --dtype float32 --batch 1 8 32
 
@@ -72,19 +75,26 @@ def offline(args) -> dict:
         times = {"stock": [], "hf_csv": []}
         toks = {}
         cert = {"rows": 0, "certified": 0, "sampled": 0}
+        passes = {"stock": [], "hf_csv": []}  # seconds of each N-token pass, the warm-up (first) pass included
+        cpu = {"stock": [], "hf_csv": []}  # the same passes' process CPU seconds (less moved by another load)
         for side in ("stock", "hf_csv"):  # warm-up (the screen's build, the guard's first calls)
             use(side)
+            t0, c0 = time.perf_counter(), time.process_time()
             llm.generate(prompts, pn, use_tqdm=False)
+            passes[side].append(time.perf_counter() - t0)
+            cpu[side].append(time.process_time() - c0)
         for r in range(args.runs):
             for side in (("stock", "hf_csv") if r % 2 == 0 else ("hf_csv", "stock")):
                 use(side)
                 vllm_plugin.reset_stats()
                 t0 = time.perf_counter()
                 llm.generate(prompts, p1, use_tqdm=False)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 res = llm.generate(prompts, pn, use_tqdm=False)
                 t2 = time.perf_counter()
+                cpu[side].append(time.process_time() - c1)
                 times[side].append(b * (args.new_tokens - 1) / max(1e-9, (t2 - t1) - (t1 - t0)))
+                passes[side].append(t2 - t1)
                 toks[side] = [list(x.outputs[0].token_ids) for x in res]
                 if side == "hf_csv":
                     st = vllm_plugin.stats()
@@ -105,9 +115,24 @@ def offline(args) -> dict:
             "declined_rows": cert.get("declined", {}),
             "identical": None if args.sample else toks["stock"] == toks["hf_csv"],
         }
+        if args.passes:
+            out["batches"][str(b)]["passes"] = {"wall": pass_ratios(passes), "cpu": pass_ratios(cpu)}
         print(json.dumps({b: out["batches"][str(b)]}), flush=True)
     out["load_after"] = os.getloadavg()
     return out
+
+
+def pass_ratios(passes: dict) -> dict:
+    """``--passes``: each N-token pass's seconds per side (the first is that batch size's first pass, the warm-up,
+    stock's before the plugin's), and each plugin pass's speed against stock's median timed pass (stock median /
+    pass time: > 1 faster): the first pass's, the median and the worst (lowest) over all of them, first included.
+    Stock's own first pass against its median is beside it (vLLM's own cost of a new batch size)."""
+    st, hf = passes["stock"], passes["hf_csv"]
+    ref = statistics.median(st[1:] or st)
+    r = [ref / max(1e-9, x) for x in hf]
+    return {"ms": {k: [round(1e3 * x, 1) for x in v] for k, v in passes.items()},
+            "ratio_per_pass": [round(x, 3) for x in r], "first": round(r[0], 3), "median": round(statistics.median(r), 3),
+            "worst": round(min(r), 3), "stock_first": round(ref / max(1e-9, st[0]), 3)}
 
 
 def serve(args) -> dict:
@@ -265,6 +290,8 @@ def main() -> None:
                     "give, this machine's noise floor")
     ap.add_argument("--sample", type=float, default=0.0, metavar="T", help="unseeded sampling at temperature T")
     ap.add_argument("--top-k", type=int, default=-1, help="with --sample: top-k (-1: none)")
+    ap.add_argument("--passes", action="store_true", help="offline: each pass's time per side, the first (warm-up) "
+                    "pass included, and the plugin's first, median and worst pass against stock's median pass")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = serve(args) if args.serve else offline(args)
