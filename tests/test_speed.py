@@ -297,13 +297,15 @@ def test_speed_guard_judges_the_certified_head_once_settled(monkeypatch):
     monkeypatch.setattr(CertifiedHead, "topk", topk)
     monkeypatch.setattr(CertifiedHead, "settled", lambda self: calls[0] >= 6 and real_settled(self))
     m, ids = _tiny_llama()
-    real_fwd = m.lm_head.forward
+    real_fwd, head = torch.nn.Linear.forward, m.lm_head
 
-    def slow_head(x):
-        _time.sleep(0.006)  # stock's head: slower than a settled certified call, faster than an unsettled one
-        return real_fwd(x)
+    def slow_head(self, x):
+        if self is head:
+            _time.sleep(0.006)  # stock's head: slower than a settled certified call, faster than an unsettled one
+        return real_fwd(self, x)
 
-    m.lm_head.forward = slow_head
+    # (on the class: a forward set on the head instance is a wrapper hf_csv declines, hf_csv.head.head_decline_reason)
+    monkeypatch.setattr(torch.nn.Linear, "forward", slow_head)
     gen = dict(max_new_tokens=24, do_sample=False)
     ref = m.generate(ids, **gen)
     hf_csv.enable(m)
