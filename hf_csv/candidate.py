@@ -35,7 +35,7 @@ from ._compat import SUPPORTED, adapts_confidence_threshold, support
 from .certificate import CertStats
 from .config import CSVConfig
 from .errors import CSVError
-from .head import CSVSession, find_head, head_decline_reason, row_totals, summary_line
+from .head import CSVSession, find_head, full_head_reason, head_decline_reason, row_totals, summary_line
 from .plan import Bounded, Full
 from .processors import CSVLogitsProcessor, GumbelCoupledDraw
 from .patches import instance_override
@@ -144,8 +144,8 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
         summary.update(stats.as_dict())  # every key, zeros included, as the target's summary has (every row counted)
         summary.update(row_totals(stats, summary["declined_rows"]))
         # the one line for people, built as the target's (head.summary_line)
-        full_reason = (summary["reasons"][0] if summary["reasons"] else "declined") if last["full"] else None
-        summary["summary"] = summary_line(stats, summary["declined_rows"], full_reason=full_reason,
+        summary["summary"] = summary_line(stats, summary["declined_rows"],
+                                          full_reason=full_head_reason(last["full"], summary["reasons"]),
                                           approx=last["approx"])
         return out
 

@@ -38,7 +38,7 @@ from .step import CSVHead, StepState, activated
 logger = logging.getLogger(__name__)
 
 __all__ = ["CSVSession", "HeadEntry", "swapped_head", "get_certified_head", "head_entry", "find_head",
-           "head_decline_reason", "summary_line"]
+           "head_decline_reason", "full_head_reason", "summary_line"]
 
 _LOCK = threading.RLock()
 _SWAPS: dict[int, list] = {}  # id(model) -> [attr name, original module, wrapper, refcount, shared-compile flag]
@@ -170,8 +170,9 @@ class CSVSession:
                 d["speed_guard"] = summ
         approx = self.approximations()
         d["exact"] = not approx
-        full_reason = (self.reasons[0] if self.reasons else "declined") if isinstance(self.plan, Full) else None
-        d["summary"] = summary_line(self.stats, self.declined_rows, full_reason=full_reason, approx=approx)
+        d["summary"] = summary_line(self.stats, self.declined_rows,
+                                    full_reason=full_head_reason(isinstance(self.plan, Full), self.reasons),
+                                    approx=approx)
         return d
 
     def approximations(self) -> list:
@@ -183,6 +184,11 @@ class CSVSession:
         if self.assisted and self.config.speculative == "sigmoid":
             approx.append("the lossy sigmoid verify")
         return approx
+
+
+def full_head_reason(full: bool, reasons: list) -> Optional[str]:
+    """What :func:`summary_line` says of a call (or a draft head) that took the full head: its first reason."""
+    return (reasons[0] if reasons else "declined") if full else None
 
 
 def summary_line(stats: CertStats, declined_rows: int, full_reason: Optional[str] = None,
