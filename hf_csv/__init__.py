@@ -8,24 +8,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .certificate import CertifiedHead, CertResult, CertStats
-from .errors import CSVError, FingerprintMismatchError, IndexFormatError, UnsupportedVersionError
-from .index import IndexConfig, VocabIndex
+from hf_csv.core.certificate import CertifiedHead, CertResult, CertStats
+from hf_csv.core.errors import CSVError, FingerprintMismatchError, IndexFormatError, UnsupportedVersionError
+from hf_csv.core.index import IndexConfig, VocabIndex
 
 __version__ = "0.1.0"
 
-# name -> module (relative to this package), imported on first use so that the core never pulls in transformers
+# name -> module, imported on first use so that the core never pulls in transformers
 _LAZY = {
-    "CSVConfig": ".config",
-    "enable": ".generation",
-    "disable": ".generation",
-    "install": ".generation",
-    "uninstall": ".generation",
-    "refresh": ".generation",
-    "custom_generate": ".generation",
-    "CSVArtifact": ".artifact",
-    "CSVLogitsProcessor": ".processors",
-    "patch_speculative_sampling": ".verify",
+    "CSVConfig": ".core.config",
+    "enable": ".transformers.enable",
+    "disable": ".transformers.enable",
+    "install": ".transformers.enable",
+    "uninstall": ".transformers.enable",
+    "refresh": ".transformers.enable",
+    "custom_generate": ".transformers.enable",
+    "CSVArtifact": ".hub.artifact",
+    "CSVLogitsProcessor": ".transformers.processors",
+    "patch_speculative_sampling": ".transformers.acceptance",
 }
 
 __all__ = ["CertifiedHead", "CertResult", "CertStats", "VocabIndex", "IndexConfig", "CSVError",

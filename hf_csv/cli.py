@@ -72,7 +72,7 @@ def _calibration_cols(m, num_outliers: int):
 
 
 def _build_artifact(a: argparse.Namespace):
-    from .artifact import CSVArtifact
+    from hf_csv.hub.artifact import CSVArtifact
 
     m = _load_model(a.model, a.revision)
     head = m.get_output_embeddings()
@@ -97,7 +97,7 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 
 def cmd_push(a: argparse.Namespace) -> int:
-    from .artifact import CSVArtifact
+    from hf_csv.hub.artifact import CSVArtifact
 
     if not Path(a.dir).is_dir():
         raise CLIError(f"{a.dir!r} is not a directory")
@@ -122,8 +122,8 @@ def assemble_model_repo(dest, art, model_dir=None, defaults: Optional[dict] = No
     ``index`` default, the method uses an artifact found beside the loaded weights."""
     import re
 
-    from . import hub
-    from .vendor import manifest, vendor_into
+    from hf_csv.hub import transport as hub
+    from hf_csv.hub.vendor import manifest, vendor_into
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def assemble_model_repo(dest, art, model_dir=None, defaults: Optional[dict] = No
     art.save_pretrained(dest, custom_generate=True)
     cg = dest / "custom_generate"
     hub.copy_folder(hub.custom_generate_folder(), cg)
-    vendor_into(cg)  # the folder carries hf_csv itself: nothing to pip install (hf_csv.vendor)
+    vendor_into(cg)  # the folder carries hf_csv itself: nothing to pip install (hf_csv.hub.vendor)
     code = (cg / "generate.py").read_text()
     code, n = re.subn(r"^CSV_CONFIG_DEFAULTS: dict = \{\}$", f"CSV_CONFIG_DEFAULTS: dict = {dict(defaults or {})!r}",
                       code, flags=re.M)
@@ -149,8 +149,8 @@ def cmd_push_model(a: argparse.Namespace) -> int:
     trust_remote_code=True).generate(...)`` is then certified decoding."""
     import tempfile
 
-    from . import hub
-    from .artifact import CSVArtifact
+    from hf_csv.hub import transport as hub
+    from hf_csv.hub.artifact import CSVArtifact
 
     if a.artifact:
         art = CSVArtifact.from_pretrained(a.artifact)
@@ -166,8 +166,8 @@ def cmd_push_model(a: argparse.Namespace) -> int:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from . import hub
-    from .artifact import ARTIFACT_FILES, CSVArtifact
+    from hf_csv.hub import transport as hub
+    from hf_csv.hub.artifact import ARTIFACT_FILES, CSVArtifact
 
     path = hub.download(a.repo_id, ARTIFACT_FILES, revision=a.revision, endpoint=a.endpoint)
     CSVArtifact.from_pretrained(path)  # verifies the sha256s before anything is copied
@@ -180,7 +180,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .artifact import CSVArtifact
+    from hf_csv.hub.artifact import CSVArtifact
 
     art = CSVArtifact.from_pretrained(a.index, revision=a.revision, endpoint=a.endpoint)
     print(json.dumps(art.describe(), indent=2, sort_keys=True))
@@ -256,7 +256,7 @@ def _one_line(text: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from .errors import CSVError
+    from hf_csv.core.errors import CSVError
 
     try:
         return args.fn(args)

@@ -30,7 +30,7 @@ _REGISTRY: dict[str, dict[str, Callable]] = {
     "screen_int8": {"reference": screen.screen_int8_reference, "cpu": screen.screen_int8_cpu},
     # optional, no reference: est, upper and each row's top estimate in one pass, or None where it does not serve
     "screen_bounds": {"cpu": screen.screen_bounds_cpu},
-    # optional, no reference (hf_csv.certificate's torch path is): the top-1 epilogue, or None
+    # optional, no reference (hf_csv.core.certificate's torch path is): the top-1 epilogue, or None
     "top1": {"native": native.top1},
     "gather_gemv": {"reference": gather.gather_gemv_reference},
     "cluster_upper": {"reference": cluster.cluster_upper_reference},

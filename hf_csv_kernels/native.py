@@ -557,14 +557,14 @@ def outlier_cols(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col
 def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) -> torch.Tensor:
     """The float32 constants :func:`top1` takes, each rounded to nearest from the Python float as torch rounds a
     scalar operand of a float32 op: γ, the underflow term, max ||W_i||_1, max |b|, 1 + 1e-6, the slack coefficient
-    2γ(1 + 2γ)(1 + 1e-6) and twice the underflow term (hf_csv.certificate.CertifiedHead._values)."""
+    2γ(1 + 2γ)(1 + 1e-6) and twice the underflow term (hf_csv.core.certificate.CertifiedHead._values)."""
     return torch.tensor([gam, underflow, l1_max, b_max, 1 + 1e-6, 2 * gam * (1 + 2 * gam) * (1 + 1e-6),
                          2 * underflow], dtype=torch.float32)
 
 
 def top1(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torch.Tensor, abs_l1: torch.Tensor,
          cst: torch.Tensor, limit: int) -> tuple:
-    """The top-1 epilogue of ``hf_csv.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
+    """The top-1 epilogue of ``hf_csv.core.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
     ``hf_csv_top1``): for a float32 or bfloat16 head ``weight`` [V, d] (no bias), rows ``H`` [N, d] in float32, the
     screen's upper bounds ``upper`` [N, V] and its seeds (int64 [N]), returns ``(n, logits [N, V] in the head's dtype,
     mask [N, V] bool, rows [n], toks [n], acc [n], ent [n], out [N, 4] = (t, bound, slack, radius sum) per row,

@@ -329,7 +329,7 @@ def weight_only_radius(rows: Int8Rows, H: torch.Tensor) -> torch.Tensor:
 
     rad_i = ||W_i − Ŵ_i||_2·||h||_2 (rounded up) + γ_{d+2}·||Ŵ_i||_1·||h||_∞: quantization plus any-order fp32
     accumulation of Ŵ h. The one formula of the screens that run Ŵ h in fp32 (this module's reference,
-    :class:`hf_csv.static.StaticTopK`).
+    :class:`hf_csv.core.static.StaticTopK`).
     """
     d = rows.q.shape[1]
     hn2 = _norm_up(H) * (1 + 4 * unit_roundoff())
@@ -421,7 +421,7 @@ def screen_int8_cpu(state: ScreenState, H: torch.Tensor) -> tuple[torch.Tensor, 
     if out.err_rest is not None:
         hn2 = _norm_up(h_rest) * (1 + 4 * u)
         rad = torch.mul(out.err_rest, hn2).addcmul_(rows.l1, coef)
-        # + 4u·||W_i||_1·||h_r||_∞: the caller's rounding margin for est + rad (hf_csv.bounds) assumes
+        # + 4u·||W_i||_1·||h_r||_∞: the caller's rounding margin for est + rad (hf_csv.core.bounds) assumes
         # |est| <= 2·||Ŵ_i||_1·||h_r||_∞, and the exact outlier part is bounded by ||W_i||_1, not ||Ŵ_i||_1
         return est, rad.addcmul_(rows.abs_l1, (gamma(J.numel() + 2) + 4 * u) * hinf)
     hn2 = _norm_up(H) * (1 + 4 * u)

@@ -36,7 +36,6 @@ def cpu_info() -> dict:
     import platform
 
     from hf_csv_kernels import native
-
     model = platform.processor()
     try:
         model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),

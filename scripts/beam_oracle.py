@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-import hf_csv.certificate as cert
-import hf_csv.checks as checks
-import hf_csv.plan as plan
-import hf_csv.processors as proc
+import hf_csv.core.certificate as cert
+import hf_csv.core.checks as checks
+import hf_csv.transformers.plans as plan
+import hf_csv.transformers.processors as proc
 
 
 def main() -> None:

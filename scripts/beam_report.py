@@ -22,7 +22,6 @@ import torch
 
 import hf_csv
 from hf_csv import CSVConfig
-
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared" / "models"
 
@@ -74,7 +73,7 @@ def main() -> None:
         return a == b if isinstance(a, str) else torch.equal(a, b)
 
     run(items[0], True)  # builds the screen (its first calls use the full head while it is packed)
-    from hf_csv.certificate import CertifiedHead  # noqa: F401 (the screen is packed in the background)
+    from hf_csv.core.certificate import CertifiedHead  # noqa: F401 (the screen is packed in the background)
 
     time.sleep(2.0)
     rows = []

@@ -8,7 +8,7 @@ head shapes, batch 1, medians of 30 interleaved calls.
 """
 import time, statistics, os, sys, torch, torch.nn.functional as F
 from hf_csv_kernels.quantize import quantize_rows_int8
-from hf_csv.static import StaticTopK
+from hf_csv.core.static import StaticTopK
 import argparse
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--threads", type=int, default=2)
@@ -19,7 +19,7 @@ for name, (V, d) in shapes.items():
     W = torch.randn(V, d) * 0.02
     rows = quantize_rows_int8(W, progress=False)
     plan = StaticTopK(W, rows, k=1, capacity=64)
-    from hf_csv.bounds import ScreenProvider
+    from hf_csv.core.bounds import ScreenProvider
     prov = ScreenProvider(W, rows=rows)
     prov.warm(torch.randn(4, d)); prov.state.ready.wait()
     plan2 = StaticTopK(W, rows, k=1, capacity=64, screen=prov)

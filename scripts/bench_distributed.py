@@ -8,7 +8,7 @@ step), and times two ways of getting the greedy token from a vocabulary-sharded 
 
 * ``allgather``: what transformers' ``colwise_gather_output`` lm_head does: each rank computes its shard's
   logits, all-gather to [V], argmax;
-* ``certified``: :class:`hf_csv.distributed.VocabParallelHead` (local screen + exact candidates, O(k)
+* ``certified``: :class:`hf_csv.core.distributed.VocabParallelHead` (local screen + exact candidates, O(k)
   collectives).
 
 Reports the median time per step of each, their ratio, and the payload bytes each rank sends per step.
@@ -57,7 +57,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group(args.backend, rank=rank, world_size=world)
-    from hf_csv.distributed import VocabParallelHead, shard_tokens
+    from hf_csv.core.distributed import VocabParallelHead, shard_tokens
 
     H, head = hidden_states(MODELS / args.model, args.steps)
     dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")

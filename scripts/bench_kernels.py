@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_csv.certificate import CertifiedHead  # noqa: E402
+from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 
 PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L4": 300.0}
 

@@ -33,14 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
-from hf_csv.plan import TopK  # noqa: E402
-from hf_csv.verify import (  # noqa: E402
+from hf_csv.transformers.plans import TopK  # noqa: E402
+from hf_csv.transformers.acceptance import (  # noqa: E402
     LossyVerifyWarning,
     check_transformers_version,
     speculative_sampling_exact,
     speculative_sampling_sigmoid,
 )
-from hf_csv_kernels.verify import exact_first_token_distribution, sigmoid_first_token_distribution  # noqa: E402
+from hf_csv.core.speculative import exact_first_token_distribution, sigmoid_first_token_distribution  # noqa: E402
 
 MODELS = pathlib.Path(os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models")).expanduser()
 PROMPTS = ROOT.parent / "shared" / "models" / "prompts.jsonl"
@@ -198,8 +198,8 @@ def _load_pair(target: str, draft: str):
         raise SystemExit(f"part 2 needs {td} and {dd}: python ../shared/models/prepare.py {target} {draft}")
     tok = AutoTokenizer.from_pretrained(td)
     tm = hf_csv.enable(AutoModelForCausalLM.from_pretrained(td, dtype=torch.float32).eval())
-    if draft == "quantized":  # the int8 self-draft (hf_csv.candidate.quantized_assistant)
-        from hf_csv.candidate import quantized_assistant
+    if draft == "quantized":  # the int8 self-draft (hf_csv.transformers.drafts.quantized_assistant)
+        from hf_csv.transformers.drafts import quantized_assistant
 
         return tok, tm, quantized_assistant(tm)
     dm = AutoModelForCausalLM.from_pretrained(dd, dtype=torch.float32).eval()
@@ -314,7 +314,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
     hf_csv's verify (bounded in mode "spec", exact on the certified top-k vector in mode "topk") with stock's
     ``_speculative_sampling`` on the full head's processed rows: ``n`` draws each, the joint law of (first
     emitted token, second or none), two-sample chi-square. Returns (result dict, uninstall)."""
-    import hf_csv.verify as hv
+    import hf_csv.transformers.acceptance as hv
     import transformers.generation.utils as gu
     from scipy import stats as sps
 
@@ -375,7 +375,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
         return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
 
     def stock_verify(cand, cand_logits, L, new_logits, *a, **kw):
-        # the target's checked top-K plan hands its rows to stock's verify (hf_csv.verify._dispatch): the law is
+        # the target's checked top-K plan hands its rows to stock's verify (hf_csv.transformers.acceptance._dispatch): the law is
         # stock's exactly when those rows are stock's processed rows, which is checked here, bit for bit
         h = hv._stack()[-1] if hv._stack() else None
         sess = getattr(h, "session", None)
@@ -384,7 +384,7 @@ def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
             out.update(kind="topk (stock's verify)", drafted=int(L), rows_identical=same, identical_law=same)
         return stock(cand, cand_logits, L, new_logits, *a, **kw)
 
-    stock_verify.__wrapped__ = stock  # (hf_csv._compat checks stock's signature through it)
+    stock_verify.__wrapped__ = stock  # (hf_csv.transformers.compat checks stock's signature through it)
     hv.speculative_sampling_certified, hv._IMPLS["exact"], gu._speculative_sampling = certified, exact, stock_verify
 
     def uninstall():
@@ -399,8 +399,8 @@ def _gumbel_reference(tok, tm, dm, prompt: str, gen_kw: dict, cfg, seed: int, n:
     argmax(stock's processed row + g_t) with the call's keyed noise g. The reference: *stock* plain sampling (no
     assistant, no csv) with a last processor that makes that same draw on stock's full processed rows. Token-for-token
     equality with the certified assisted call checks the certificate and the coupling end to end (the law is then
-    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_verify.py)."""
-    from hf_csv.verify import gumbel_reference
+    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_transformers_acceptance.py)."""
+    from hf_csv.transformers.acceptance import gumbel_reference
 
     x = dict(tok(prompt, return_tensors="pt"))
     kw = dict(gen_kw, max_new_tokens=n)

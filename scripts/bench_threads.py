@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The certified head on the caller's thread count, on one thread, and tuned (hf_csv.speed.ThreadTuner),
+"""The certified head on the caller's thread count, on one thread, and tuned (hf_csv.core.speed.ThreadTuner),
 against the dense head, interleaved, on real hidden states; quiet or beside ``--load N`` busy processes.
 
     python scripts/bench_threads.py --model ~/.cache/hf-csv-models/qwen-coder-0.5b --threads 2 --load 1
@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _load import cpu_load, machine_load  # noqa: E402
 from certify_report import hidden_states, load_text, DEFAULT_PROMPTS  # noqa: E402
-from hf_csv.certificate import CertifiedHead  # noqa: E402
+from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 
 
 def main() -> None:

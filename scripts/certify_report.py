@@ -25,8 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hf_csv.certificate import CertifiedHead  # noqa: E402
-from hf_csv.artifact import CSVArtifact  # noqa: E402
+from hf_csv.core.certificate import CertifiedHead  # noqa: E402
+from hf_csv.hub.artifact import CSVArtifact  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -65,7 +65,6 @@ def main() -> None:
 
     import hf_csv
     from hf_csv import CertifiedHead, CSVConfig
-
     tok, model = _load(args.model)
     head_w = model.get_output_embeddings().weight.detach()
     V, d = head_w.shape

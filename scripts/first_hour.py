@@ -15,7 +15,7 @@ Runs, each in its own process so that one failure cannot hide the rest:
    an audio file name without ffmpeg.
 
 Each step prints the command or code, its exit status, and the last lines of what it printed. Nothing is asserted:
-the output is for people (the behaviours are tested in tests/test_first_hour.py and tests/test_vendor.py).
+the output is for people (the behaviours are tested in tests/test_stack_new_user.py and tests/test_hub_vendor.py).
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ print(asr.model.csv_last_stats["summary"])
     step("3c. hf-csv inspect on a mistyped path", cli + ["inspect", str(tmp / "atr")], env)
 
     step("4a. custom_generate repository (hf-csv push-model's layout, written locally)", [py, "-c", f"""
-from hf_csv.artifact import CSVArtifact
+from hf_csv.hub.artifact import CSVArtifact
 from hf_csv.cli import assemble_model_repo
 assemble_model_repo({str(tmp / 'repo')!r}, CSVArtifact.from_pretrained({str(tmp / 'art')!r}), {str(smol)!r})
 import os; print(sorted(os.listdir({str(tmp / 'repo' / 'custom_generate')!r}))[:8], '...')

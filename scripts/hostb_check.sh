@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool run on a lent GPU machine (docs/benchmarks.md §4, §6): the CUDA checks (Triton kernels natively,
-# tests/test_cuda.py) beside the native screen's per-path checks on that machine's CPU (host B: AVX-512 VNNI):
+# tests/test_stack_cuda.py) beside the native screen's per-path checks on that machine's CPU (host B: AVX-512 VNNI):
 # tests/test_kernels_native.py, then the differential fuzzer with each kernel path forced, SHARDS processes per path
 # (cases split by HF_CSV_FUZZ_START), one thread each.
 # Usage: bash scripts/hostb_check.sh [CASES_PER_PATH] [SHARDS]   (writes logs and JSON under ${OUT:-hostb_out})
@@ -23,13 +23,13 @@ for p in avx2 avxvnni avx512vnni; do
     a=$(( CASES * s / SHARDS )); b=$(( CASES * (s + 1) / SHARDS ))
     CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 HF_CSV_SCREEN_PATH=$p HF_CSV_FUZZ_START=$a HF_CSV_FUZZ_CASES=$b \
       HF_CSV_FUZZ_JSON="$OUT/fuzz_${p}_$s.json" timeout $LIMIT python3 -m pytest -q -p no:cacheprovider \
-      tests/test_differential.py > "$OUT/fuzz_${p}_$s.log" 2>&1 &
+      tests/test_stack_differential.py > "$OUT/fuzz_${p}_$s.log" 2>&1 &
     pids+=($!)
   done
 done
 CUDA_VISIBLE_DEVICES= timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_native.py -k "kernel_path or forced_path or selection_skips or self_test_catches" > "$OUT/native_paths.log" 2>&1
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton_ops.py tests/test_kernels_dispatch.py::test_dispatch_picks_triton_only_on_cuda > "$OUT/triton_tests.log" 2>&1
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/cuda_tests.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_stack_cuda.py > "$OUT/cuda_tests.log" 2>&1
 wait "${pids[@]}"
 for f in native_paths triton_tests cuda_tests; do echo "== $f"; tail -3 "$OUT/$f.log"; done
 for p in avx2 avxvnni avx512vnni; do echo "== fuzz $p"; tail -q -n 1 "$OUT"/fuzz_${p}_*.log; done

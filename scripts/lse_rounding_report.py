@@ -1,7 +1,7 @@
 """How wide stock's float32 log-normalizer can be, in any summation order (docs/certificates.md §3.6-3.7).
 
 For each decoding row of a real model it prints the number of terms t_k = exp(x_k − max) above u·Z and the
-order-free bound on |fl(Z) − Z|/Z that hf_csv uses (hf_csv.checks.round_charge), from the exact logits.
+order-free bound on |fl(Z) − Z|/Z that hf_csv uses (hf_csv.core.checks.round_charge), from the exact logits.
 This is why token-identical beam search is not certified: the bound accumulates per step in every beam score.
 
     python scripts/lse_rounding_report.py --model DIR [--whisper]
@@ -51,7 +51,7 @@ def _rows(model_dir: str, whisper: bool) -> torch.Tensor:
 
 
 def main() -> None:
-    from hf_csv.checks import round_charge as _round_charge
+    from hf_csv.core.checks import round_charge as _round_charge
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)

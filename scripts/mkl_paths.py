@@ -51,7 +51,7 @@ def _digest() -> str:
 def _subsets() -> str:
     import torch
 
-    from hf_csv.certificate import SUBSET_KERNELS, probe_subset_kernel, subset_mismatches
+    from hf_csv.core.certificate import SUBSET_KERNELS, probe_subset_kernel, subset_mismatches
 
     def nowhere(H: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # differs on every subset: counts them
         return torch.full((H.shape[0], cols.numel()), float("nan"))

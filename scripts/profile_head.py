@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_csv.certificate import CertifiedHead  # noqa: E402
+from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 
 
 def main() -> None:

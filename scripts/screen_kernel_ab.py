@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_csv_kernels.screen as scr
-from hf_csv.certificate import CertifiedHead
+from hf_csv.core.certificate import CertifiedHead
 
 
 def main() -> None:

@@ -33,9 +33,8 @@ def child(path: str, shapes: list, threads: list, reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from hf_csv.certificate import CertifiedHead
+    from hf_csv.core.certificate import CertifiedHead
     from hf_csv_kernels import native
-
     assert native.path() == path, (native.path(), native.why_unavailable())
     out = []
     for shape in shapes:
@@ -83,7 +82,6 @@ def main() -> None:
         print(json.dumps(child(a.child, a.shapes, a.threads, a.reps)))
         return
     from hf_csv_kernels import native
-
     rep = {"cpu": cpu_info(), "load_average": os.getloadavg(), "paths": []}
     for p in a.paths or native.runnable_paths():
         env = dict(os.environ, HF_CSV_SCREEN_PATH=p)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_csv_kernels.screen as scr  # noqa: E402
-from hf_csv.certificate import CertifiedHead  # noqa: E402
+from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

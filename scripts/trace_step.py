@@ -62,7 +62,7 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
           warm_tokens: int = 16) -> dict:
     """Trace decode step ``step`` (0 is the prefill) of a certified greedy call after a first call of ``warm_tokens``
     new tokens (0: trace the first call); returns the report. A head's first rows choose its screen's outlier columns
-    (8 rows, :class:`hf_csv.bounds.ScreenProvider`), a one-off per head; the steps after it take the settled path."""
+    (8 rows, :class:`hf_csv.core.bounds.ScreenProvider`), a one-off per head; the steps after it take the settled path."""
     model = hf_csv.enable(tiny_llama(scale=20.0))  # spread logits so the certificate prunes
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, csv_config=CSVConfig())
@@ -72,7 +72,7 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
         model.generate(ids, **{**kw, "max_new_tokens": warm_tokens})  # the screen is built and settles
         # its columns' re-choice runs in a background thread: wait for it (on a busy machine it can outlast the
         # call), so that the traced step is the settled one whatever the load
-        from hf_csv.head import find_head, get_certified_head
+        from hf_csv.transformers.session import find_head, get_certified_head
 
         ch = get_certified_head(find_head(model)[1], CSVConfig())
         deadline = time.monotonic() + 120

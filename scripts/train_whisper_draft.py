@@ -233,9 +233,9 @@ def teacher_topk(model, enc: torch.Tensor, seqs: list, batch: int = 16) -> list:
 # --- 5. the draft ----------------------------------------------------------------------------------------------------
 def init_draft(model, layers=(0, -1), dropout: float = 0.1):
     """A ``WhisperForCausalLM`` with whisper-base's decoder layers ``layers`` (its embeddings, norm and tied head:
-    ``hf_csv.candidate.truncated_assistant`` builds the class, config and weights), dropout ``dropout`` in the decoder
+    ``hf_csv.transformers.drafts.truncated_assistant`` builds the class, config and weights), dropout ``dropout`` in the decoder
     (active in training only; the config keeps the target's), embeddings, head and cross-attention keys/values frozen."""
-    from hf_csv.candidate import truncated_assistant
+    from hf_csv.transformers.drafts import truncated_assistant
 
     draft = truncated_assistant(model, len(layers))
     src, dst = model.model.decoder, draft.model.decoder

@@ -1,7 +1,7 @@
 """After a passing load, how soon does the certified head's thread tuner return to the caller's thread count?
 
 The certified head on CPU picks, per call shape, the caller's thread count or one thread by the recent mean
-time of each (``hf_csv.speed.ThreadTuner``). This script builds the head of a real model, waits for
+time of each (``hf_csv.core.speed.ThreadTuner``). This script builds the head of a real model, waits for
 the screen's background pack, runs the head for ``--load-s`` seconds with one busy process beside it (the
 tuner moves to one thread), stops that process, and then times ``--after`` calls: how many calls run before the
 tuner is back on the caller's count, and the head's median and mean time over those calls.
@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_csv
-from hf_csv.certificate import CertifiedHead
+from hf_csv.core.certificate import CertifiedHead
 
 from _load import cpu_load  # scripts/ is on sys.path when run as a script
 

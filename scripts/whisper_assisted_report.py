@@ -5,7 +5,7 @@
         --runs 5 --draft-lengths 3 5 8 --pipeline --json out/whisper_draft.json
 
 ``--assistant``: a checkpoint folder (a ``WhisperForCausalLM`` draft such as ``scripts/train_whisper_draft.py``
-writes), ``quantized`` (the int8 self-draft, hf_csv.candidate.quantized_assistant) or ``truncated`` (the target's
+writes), ``quantized`` (the int8 self-draft, hf_csv.transformers.drafts.quantized_assistant) or ``truncated`` (the target's
 first ``--layers`` decoder layers, untrained: an API check, not a speed claim).
 
 Clips: the English clips of ../shared/models/speech and the held-out clips of ``scripts/_speech.py`` (voices and
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
-from hf_csv.candidate import quantized_assistant, truncated_assistant  # noqa: E402
+from hf_csv.transformers.drafts import quantized_assistant, truncated_assistant  # noqa: E402
 
 import _speech  # noqa: E402
 
@@ -242,7 +242,7 @@ def _step_costs(m, draft, feat, runs: int) -> dict:
     ``body_ms = step_ms - head_full_ms``. ``c_full`` is the assistant's step over the target's with full heads (the
     earlier ``step_cost_ratio``); ``c_certified`` with both heads certified (body + certified head)."""
     import hf_csv
-    from hf_csv.head import find_head, get_certified_head
+    from hf_csv.transformers.session import find_head, get_certified_head
 
     enc = m.get_encoder()(feat)
     start = torch.tensor([[m.generation_config.decoder_start_token_id]])

@@ -3,7 +3,7 @@
 The recording is every speech clip joined past 60 s (``_audio.long_clip``, 102.5 s with the shipped clips); the
 settings are the usual fallback ones (``temperature=(0.0, 0.2, ..., 1.0)``, ``logprob_threshold=-1.0``,
 ``no_speech_threshold=0.6``, ``compression_ratio_threshold=1.35``, timestamps, ``condition_on_prev_tokens=False``),
-the call of ``tests/test_whisper.py::test_real_long_form_with_temperature_fallback_identical``. Each call is
+the call of ``tests/test_transformers_whisper.py::test_real_long_form_with_temperature_fallback_identical``. Each call is
 reseeded with ``torch.manual_seed(0)``, so sampled fallback rounds draw the same stream on both sides.
 
 It prints, per model: whether the tokens and every (needs fallback, skip) decision are stock's, each side's wall

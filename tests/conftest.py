@@ -45,7 +45,7 @@ def kernel_backend(request, monkeypatch):
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=None,
-                     help="number of differential fuzzer cases (tests/test_differential.py; default 300, "
+                     help="number of differential fuzzer cases (tests/test_stack_differential.py; default 300, "
                           "or HF_CSV_FUZZ_CASES)")
 
 
@@ -53,9 +53,9 @@ def pytest_addoption(parser):
 def assume_subset_exact(monkeypatch):
     """Tests of the paths that hand the values on S to stock's sampler, verify or scores: their machinery under the
     property those paths need (every column subset rounds as the full call), which hf_csv itself only uses where a
-    probe finds it (docs/certificates.md §2.0; the gate is tested in tests/test_trust_round2.py). Their token
+    probe finds it (docs/certificates.md §2.0; the gate is tested in tests/test_stack_trust_round2.py). Their token
     comparisons with stock then still run on this host's real values."""
-    from hf_csv.certificate import CertifiedHead
+    from hf_csv.core.certificate import CertifiedHead
 
     monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: True)
 
@@ -225,7 +225,7 @@ def assist_pair():
 def fixed_threshold(monkeypatch):
     """Stock's candidate generator as without scikit-learn: the assistant's confidence threshold stays what it was set
     to. With scikit-learn importable, stock re-chooses it after every round from the draft's whole rows and a greedy
-    draft then takes the full head (hf_csv._compat.adapts_confidence_threshold); tests of the certified draft head use
+    draft then takes the full head (hf_csv.transformers.compat.adapts_confidence_threshold); tests of the certified draft head use
     this fixture so that they test it in either environment (the ROC path has tests and fuzzer cases of its own)."""
     from transformers.generation import candidate_generator
 

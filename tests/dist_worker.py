@@ -1,4 +1,4 @@
-"""Worker run on every rank by tests/test_distributed.py (gloo, CPU). Writes its findings to a file.
+"""Worker run on every rank by tests/test_core_distributed.py (gloo, CPU). Writes its findings to a file.
 
 Each check compares against the single-process reference computed *inside the same worker* with the
 full weights (every rank builds identical models from the same seed).
@@ -25,13 +25,13 @@ def tiny_llama(seed=0, V=700, scale=6.0):
 
 
 def _index(W):
-    from hf_csv.index import VocabIndex
+    from hf_csv.core.index import VocabIndex
 
     return VocabIndex.build(W, num_clusters=24, seed=0, niter=5, progress=False)
 
 
 def check_head(rank, world, out):
-    from hf_csv.distributed import VocabParallelHead, shard_tokens
+    from hf_csv.core.distributed import VocabParallelHead, shard_tokens
 
     g = torch.Generator().manual_seed(0)
     V, d = 1000, 32
@@ -76,7 +76,6 @@ def check_head(rank, world, out):
 def check_generate(rank, world, out):
     import hf_csv
     from hf_csv import CSVConfig
-
     m = hf_csv.enable(tiny_llama())
     ids = torch.tensor([[5, 17, 33, 2, 9, 44], [7, 7, 8, 100, 3, 1]])
     ref = m.generate(ids, max_new_tokens=20, do_sample=False)
@@ -101,7 +100,7 @@ def check_tensor_parallel(rank, world, out):
 
     import hf_csv
     from hf_csv import CSVConfig
-    from hf_csv.distributed import VocabParallelHead
+    from hf_csv.core.distributed import VocabParallelHead
 
     m = tiny_llama(V=701)  # not a multiple of the world size: uneven shards
     ids = torch.tensor([[5, 17, 33, 2, 9, 44]])
@@ -114,7 +113,7 @@ def check_tensor_parallel(rank, world, out):
     with torch.no_grad():
         tp_stock = m.generate(ids, max_new_tokens=16, do_sample=False)
         o = m.generate(ids, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(), return_dict_in_generate=True)
-    from hf_csv.head import _HEADS
+    from hf_csv.transformers.session import _HEADS
 
     kinds = [type(e.head).__name__ for per in _HEADS.values() for e in per.values()]
     out["tp"] = (torch.equal(tp_stock, ref), torch.equal(o.sequences, ref), o.csv_stats.get("certified", 0),
@@ -126,7 +125,6 @@ def check_smollm(rank, world, out, model_dir):
 
     import hf_csv
     from hf_csv import CSVConfig
-
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(model_dir).eval())
     x = tok(["def fibonacci(n):", "The capital of France is"], return_tensors="pt", padding=True)
@@ -142,7 +140,7 @@ def check_tp_auto(rank, world, out, model_dir):
 
     import hf_csv
     from hf_csv import CSVConfig
-    from hf_csv.distributed import local_shard_of
+    from hf_csv.core.distributed import local_shard_of
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     x = tok(["def fibonacci(n):"], return_tensors="pt")

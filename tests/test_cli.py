@@ -56,7 +56,7 @@ def test_build_inspect_push_pull(tiny_model, tmp_path):
         assert r.returncode == 0, r.stderr
         r = run("pull", "org/ix", "--out", str(tmp_path / "pulled"), "--endpoint", hub.endpoint, env=env)
         assert r.returncode == 0, r.stderr
-    from hf_csv.artifact import CSVArtifact
+    from hf_csv.hub.artifact import CSVArtifact
 
     built, pulled = CSVArtifact.from_pretrained(out), CSVArtifact.from_pretrained(tmp_path / "pulled")
     assert pulled.config.fingerprint == built.config.fingerprint
@@ -79,16 +79,16 @@ def test_bad_input_is_one_clear_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def artifact_dir(tmp_path_factory):
-    from hf_csv.artifact import CSVArtifact
+    from hf_csv.hub.artifact import CSVArtifact
 
-    from test_artifact import _model
+    from test_hub_artifact import _model
     d = tmp_path_factory.mktemp("art")
     CSVArtifact.build(_model().lm_head.weight, outlier_cols=torch.tensor([3, 7, 11])).save_pretrained(d)
     return d
 
 
 def _malformed():
-    from test_artifact import MALFORMED_CONFIGS
+    from test_hub_artifact import MALFORMED_CONFIGS
     return MALFORMED_CONFIGS
 
 
@@ -97,8 +97,7 @@ def test_inspect_malformed_config_is_one_line_exit_2(artifact_dir, tmp_path, cap
     """``hf-csv inspect`` on a csv_artifact.json with a field of the wrong type (null, missing, nested, not an
     object, not JSON): one line on stderr naming the field, exit status 2 (was a traceback and status 1)."""
     from hf_csv import cli
-
-    from test_artifact import write_malformed_config
+    from test_hub_artifact import write_malformed_config
     d = write_malformed_config(artifact_dir, tmp_path / "a", edit)
     assert cli.main(["inspect", str(d)]) == 2
     out, err = capsys.readouterr()
@@ -108,9 +107,9 @@ def test_inspect_malformed_config_is_one_line_exit_2(artifact_dir, tmp_path, cap
 @pytest.mark.parametrize("sub", ["push", "push-model", "pull"])
 def test_every_subcommand_that_reads_an_artifact_refuses_a_malformed_one(artifact_dir, tmp_path, capsys,
                                                                         monkeypatch, sub):
-    from hf_csv import cli, hub
-
-    from test_artifact import write_malformed_config
+    from hf_csv import cli
+    from hf_csv.hub import transport as hub
+    from test_hub_artifact import write_malformed_config
     d = write_malformed_config(artifact_dir, tmp_path / "a", lambda raw: {**raw, "format_version": "2"})
     monkeypatch.setattr(hub, "download", lambda *a, **k: str(d))  # pull: the "downloaded" copy is malformed
     monkeypatch.setattr(hub, "upload", lambda *a, **k: pytest.fail("uploaded a malformed artifact"))
@@ -124,7 +123,7 @@ def test_every_subcommand_that_reads_an_artifact_refuses_a_malformed_one(artifac
 
 @pytest.mark.slow
 def test_inspect_malformed_config_through_the_console_script(artifact_dir, tmp_path):
-    from test_artifact import write_malformed_config
+    from test_hub_artifact import write_malformed_config
     d = write_malformed_config(artifact_dir, tmp_path / "a", lambda raw: {**raw, "sha256": None})
     r = run("inspect", str(d))
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr

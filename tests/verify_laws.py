@@ -1,4 +1,4 @@
-"""Shared by tests/test_kernels_verify.py and tests/test_verify.py: speculative-sampling cases (target and draft
+"""Shared by tests/test_core_speculative.py and tests/test_transformers_acceptance.py: speculative-sampling cases (target and draft
 logits, drafts), the chi-square machinery (bins with an expected count < 5 merged into one) and transformers' stock
 ``_speculative_sampling`` run on the same inputs."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm_engine.py::test_in_place_weight_reload_rebuilds_the_screen (vLLM's venv): load SRC, generate
+"""Run by tests/test_stack_vllm_engine.py::test_in_place_weight_reload_rebuilds_the_screen (vLLM's venv): load SRC, generate
 once with the plugin (its screen is built from SRC's head), reload NEW's weights in place (vLLM's own
 ``reload_weights``: the same storage, written through ``.data``), then generate on the same engine with vLLM's head
 and with the plugin. Prints one JSON line: the token ids of both and the plugin's row counts."""
@@ -14,8 +14,7 @@ os.environ.update(VLLM_PLUGINS="hf_csv", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLL
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    from hf_csv import vllm_plugin
-
+    from hf_csv.vllm import plugin as vllm_plugin
     src, new, prompts_file = sys.argv[1:4]
     prompts = [json.loads(line)["prompt"] for line in open(prompts_file)][:4]
     params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]
