@@ -37,7 +37,7 @@ class TouchPoint:
 
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("generate (instance attribute) / GenerationMixin.generate and Whisper's (install())", "enable",
-               "generation", "hf_csv.enable(model) / hf_csv.install(), until disable / uninstall"),
+               "enable", "hf_csv.enable(model) / hf_csv.install(), until disable / uninstall"),
     TouchPoint("the output head module (lm_head / proj_out) -> step.CSVHead", "module", "step",
                "every certified call (swapped by hf_csv.transformers.session.swapped_head)"),
     TouchPoint("_get_logits_processor", "instance", "scope", "every certified call"),
@@ -51,8 +51,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("_check_early_stop_heuristic", "instance", "beam", "CSVConfig(beam_search='exact') beam calls"),
     TouchPoint("_need_fallback", "instance", "whisper", "Whisper calls with logprob_threshold"),
     TouchPoint("_retrieve_avg_logprobs", "instance", "whisper", "Whisper calls with logprob_threshold"),
-    TouchPoint("_get_candidate_generator", "instance", "candidate", "assisted calls"),
-    TouchPoint("transformers.generation.utils._speculative_sampling", "global", "verify",
+    TouchPoint("_get_candidate_generator", "instance", "drafts", "assisted calls"),
+    TouchPoint("transformers.generation.utils._speculative_sampling", "global", "acceptance",
                "assisted sampling (and hf_csv.patch_speculative_sampling scopes)"),
 )
 _INSTANCE = frozenset(p.target for p in TOUCH_POINTS if p.kind == "instance")
