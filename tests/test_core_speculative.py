@@ -1,10 +1,10 @@
-"""hf_csv.core.speculative: the exact verify step (and the lossy sigmoid one), the bounded verify of a certified target
-and the keyed Gumbel-coupled verify.
+"""hf_csv.core.speculative: the exact acceptance of drafts (and the lossy sigmoid one), the bounded acceptance of a
+certified target and the keyed Gumbel-coupled acceptance.
 
 Statistical tests: fixed seeds, chi-square at significance level ALPHA = 0.001, bins with an expected count < 5
 merged into one. Each compares the empirical law of the emitted tokens with the analytic law of speculative
 sampling (which is the target's) and, where stated, with the stock ``transformers`` function run on the same inputs
-(tests/verify_laws.py). ``test_chi_square_has_power`` checks that the same machinery rejects a lossy verify."""
+(tests/verify_laws.py). ``test_chi_square_has_power`` checks that the same machinery rejects a lossy acceptance."""
 from __future__ import annotations
 
 import math
@@ -17,12 +17,13 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
 import hf_csv.core.speculative as kv
+from hf_csv.core.speculative import exact as kv_exact, race as kv_race, sigmoid as kv_sigmoid
 from hf_csv.transformers.acceptance import LossyVerifyWarning, speculative_sampling_exact
 from hf_csv.core.speculative import (
-    bounded_verify,
+    bounded_acceptance,
     exact_first_token_distribution,
-    exact_verify,
-    gumbel_coupled_verify,
+    exact_acceptance,
+    gumbel_coupled_acceptance,
     KeyedGumbel,
 )
 
@@ -55,9 +56,9 @@ def _bounded_case(zp: torch.Tensor, width: float, slack: float, g: torch.Generat
 @pytest.mark.usefixtures("assume_subset_exact")
 @pytest.mark.slow
 @pytest.mark.parametrize("width,slack,sharp", [(1e-3, 0.05, 3.0), (0.2, 1.5, 3.0), (0.5, 3.0, 1.0), (0.5, 0.05, 1.0)])
-def test_bounded_verify_law_equals_exact_verify(width, slack, sharp):
-    """Same inputs, many draws: the joint law of (first emitted token, second or none) of the bounded verify
-    equals the exact verify's; the first token's law equals p_0 (the theorem). Tight bounds decide most rows;
+def test_bounded_acceptance_law_equals_exact_acceptance(width, slack, sharp):
+    """Same inputs, many draws: the joint law of (first emitted token, second or none) of the bounded acceptance
+    equals the exact acceptance's; the first token's law equals p_0 (the theorem). Tight bounds decide most rows;
     loose ones force completions, which must not change the law either."""
     g = torch.Generator().manual_seed(7)
     V, L = 300, 3
@@ -76,8 +77,8 @@ def test_bounded_verify_law_equals_exact_verify(width, slack, sharp):
     for _ in range(n):
         # the drafts are drawn afresh from q each time, so the first token's law is p_0 (the theorem)
         x = torch.multinomial(qs, 1, generator=g).squeeze(1)
-        rb = bounded_verify(x, zq, z_in, known, upper, complete, generator=gb, counts=counts)
-        re = exact_verify(x, zq, zp, generator=ge)
+        rb = bounded_acceptance(x, zq, z_in, known, upper, complete, generator=gb, counts=counts)
+        re = exact_acceptance(x, zq, zp, generator=ge)
         obs_b[(int(rb.tokens[0]), int(rb.tokens[1]) if rb.tokens.numel() > 1 else -1)] += 1
         obs_e[(int(re.tokens[0]), int(re.tokens[1]) if re.tokens.numel() > 1 else -1)] += 1
     assert counts["rows"] > 0
@@ -98,7 +99,7 @@ def test_bounded_verify_law_equals_exact_verify(width, slack, sharp):
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
-def test_bounded_verify_bonus_law():
+def test_bounded_acceptance_bonus_law():
     """L = 0 (only the bonus draw): the law is softmax of the row, with half its mass outside the exact set and
     tight bounds there, so the bounds decide most draws (chi-square goodness of fit, α = 1e-3)."""
     g = torch.Generator().manual_seed(5)
@@ -110,7 +111,7 @@ def test_bounded_verify_bonus_law():
     n = 3000
     obs = Counter()
     for _ in range(n):
-        r = bounded_verify(torch.empty(0, dtype=torch.long), torch.empty(0, V), zp.masked_fill(~known, float("-inf")),
+        r = bounded_acceptance(torch.empty(0, dtype=torch.long), torch.empty(0, V), zp.masked_fill(~known, float("-inf")),
                            known, upper, lambda j, t: zp[j] if t is None else zp[j, t], generator=gb, counts=counts)
         obs[int(r.tokens[0])] += 1
     assert counts["by_bounds"] > 0.3 * n, counts  # about half the mass is bounded: the rest needs the row
@@ -122,7 +123,7 @@ def test_bounded_verify_bonus_law():
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
-def test_bounded_verify_needs_exact_rows_where_bounds_are_useless():
+def test_bounded_acceptance_needs_exact_rows_where_bounds_are_useless():
     """Upper bounds of +inf decide nothing: every decision completes its row, and the result is still valid."""
     g = torch.Generator().manual_seed(3)
     zp, zq, ids = _rows(200, 2, g)
@@ -136,7 +137,7 @@ def test_bounded_verify_needs_exact_rows_where_bounds_are_useless():
         return zp[j] if tokens is None else zp[j, tokens]
 
     counts: dict = {}
-    res = bounded_verify(ids, zq, zp.masked_fill(~known, float("-inf")), known, upper, complete,
+    res = bounded_acceptance(ids, zq, zp.masked_fill(~known, float("-inf")), known, upper, complete,
                          generator=torch.Generator().manual_seed(0), counts=counts)
     assert counts["completed"] >= 1 and any(t is None for _, t in calls)
     assert 1 <= res.tokens.numel() <= 3
@@ -158,31 +159,31 @@ def test_keyed_gumbel_rows_are_a_function_of_seed_and_key():
 
 
 @pytest.mark.usefixtures("assume_subset_exact")
-def test_gumbel_coupled_verify_accepts_the_matching_prefix():
+def test_gumbel_coupled_acceptance_accepts_the_matching_prefix():
     g = torch.Generator().manual_seed(0)
     L, V = 4, 50
     rows = torch.randn(L + 1, V, generator=g)
     noise = KeyedGumbel(1).rows(range(L + 1), V)
     y = (rows + noise).argmax(1)
-    full = gumbel_coupled_verify(y[:L].clone(), rows, noise)
+    full = gumbel_coupled_acceptance(y[:L].clone(), rows, noise)
     assert full.n_accepted == L and full.tokens.tolist() == y.tolist()  # all accepted, then the bonus draw
     x = y[:L].clone()
     x[2] = (x[2] + 1) % V
-    res = gumbel_coupled_verify(x, rows, noise)
+    res = gumbel_coupled_acceptance(x, rows, noise)
     assert res.n_accepted == 2 and res.tokens.tolist() == y[:3].tolist()  # the target's own token at the mismatch
     one_hot = torch.full((L + 1, V), float("-inf"))
     one_hot[torch.arange(L + 1), y] = 0.0  # hf_csv's certified draws arrive as one-hot rows
-    assert gumbel_coupled_verify(x, one_hot, noise).tokens.tolist() == y[:3].tolist()
+    assert gumbel_coupled_acceptance(x, one_hot, noise).tokens.tolist() == y[:3].tolist()
     with pytest.raises(ValueError):
-        gumbel_coupled_verify(x, rows[:L], noise[:L])
+        gumbel_coupled_acceptance(x, rows[:L], noise[:L])
 
 
-def run_ours(zp, zq, drafts, g, fn=kv.exact_verify, **kw) -> list[tuple[int, ...]]:
+def run_ours(zp, zq, drafts, g, fn=kv.exact_acceptance, **kw) -> list[tuple[int, ...]]:
     return [tuple(fn(d, zq, zp, generator=g, **kw).tokens.tolist()) for d in drafts]
 
 
 def seq_law(zp: torch.Tensor, zq: torch.Tensor) -> dict[tuple[int, ...], float]:
-    """Analytic law of the emitted sequence of one verify with drafts x_j ~ q_j:
+    """Analytic law of the emitted sequence of one acceptance with drafts x_j ~ q_j:
     P(x_1..x_k, t) = prod_{j<k} min(p_j, q_j)(x_j) * (max(0, p_k - q_k)(t) if k < L else p_L(t))."""
     p = torch.softmax(zp.double(), -1)
     q = torch.softmax(zq.double(), -1)
@@ -283,20 +284,20 @@ def test_two_level_race_is_exact(V):
     support[0] = V - 1  # a token in the tail block
     w[support] = torch.rand(15, generator=g) + 0.05
     N = 10000
-    c = Counter(int(kv._race(w.clone(), g)[0]) for _ in range(N))
+    c = Counter(int(kv_race.race(w.clone(), g)[0]) for _ in range(N))
     law = {int(i): float(w[i] / w.sum()) for i in support}
     assert gof_pvalue(c, law, N) > ALPHA
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_chi_square_has_power():
-    """Sanity of the statistical machinery: the lossy sigmoid verify is rejected against the target's law."""
+    """Sanity of the statistical machinery: the lossy sigmoid acceptance is rejected against the target's law."""
     N = 4000
     zp, zq, g = make_case(12, 2, seed=5, noise=1.5)
     drafts = draw_drafts(zq, N, g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LossyVerifyWarning)
-        c = Counter((len(s) - 1, s[-1]) for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_verify))
+        c = Counter((len(s) - 1, s[-1]) for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_acceptance))
     assert gof_pvalue(c, n_t_law(zp, zq), N) < ALPHA
 
 
@@ -306,7 +307,7 @@ def test_all_accepted_when_draft_equals_target():
     zq = zp[:4].clone()
     for _ in range(200):
         d = draw_drafts(zq, 1, g)[0]
-        r = kv.exact_verify(d, zq, zp, generator=g)
+        r = kv.exact_acceptance(d, zq, zp, generator=g)
         assert r.n_accepted == 4 and r.tokens[:4].tolist() == d.tolist() and 0 <= r.tokens[4] < 50
 
 
@@ -318,7 +319,7 @@ def test_none_accepted_when_target_forbids_drafts():
         zp2 = zp.clone()
         zp2[0, d[0]] = float("-inf")  # p(x_1) = 0: must be rejected, never accepted
         banned = torch.isneginf(zp2[0])
-        r = kv.exact_verify(d, zq, zp2, generator=g)
+        r = kv.exact_acceptance(d, zq, zp2, generator=g)
         assert r.n_accepted == 0 and r.tokens.shape == (1,)
         assert not banned[r.tokens[0]]  # the residual never emits a p = 0 token
 
@@ -333,7 +334,7 @@ def test_subvocab_draft_no_nan_and_valid():
     for _ in range(300):
         d = draw_drafts(zq, 1, g)[0]
         for lazy in (True, False):
-            r = kv.exact_verify(d, zq, zp, generator=g, lazy=lazy)
+            r = kv.exact_acceptance(d, zq, zp, generator=g, lazy=lazy)
             assert r.tokens.dtype == torch.long and 0 <= r.n_accepted <= L
             assert r.tokens.shape == (r.n_accepted + 1,)
             assert ((r.tokens >= 0) & (r.tokens < V)).all()
@@ -347,7 +348,7 @@ def test_zero_draft_probability_is_a_caller_bug():
     zp, zq, _ = make_case(20, 2, seed=14, sub=5)
     bad = torch.tensor([int(torch.isneginf(zq[0]).nonzero()[0]), 0])
     with pytest.raises(kv.DraftProbabilityError):
-        kv.exact_verify(bad, zq, zp)
+        kv.exact_acceptance(bad, zq, zp)
     with pytest.raises(ValueError):  # DraftProbabilityError is a ValueError
         speculative_sampling_exact(torch.cat([torch.zeros(2, dtype=torch.long), bad])[None], zq[None], 2, zp[None])
 
@@ -357,7 +358,7 @@ def test_all_inf_row_raises_not_nan():
     zp, zq, _ = make_case(20, 1, seed=15)
     zp[0] = float("-inf")
     with pytest.raises(kv.DraftProbabilityError):
-        kv.exact_verify(torch.tensor([3]), zq, zp)
+        kv.exact_acceptance(torch.tensor([3]), zq, zp)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -365,8 +366,8 @@ def test_vanished_residual_falls_back_to_target(monkeypatch):
     """If the residual max(0, p - q) is numerically all zero at a rejected row (p == q to float
     precision), the token is drawn from p -- never NaN, never a p = 0 token."""
     w = torch.zeros(3000)
-    assert kv._race(w, None)[1] is False  # all-zero weights are reported, not silently index 0
-    real = kv._race
+    assert kv_race.race(w, None)[1] is False  # all-zero weights are reported, not silently index 0
+    real = kv_race.race
     state = {"first": True}
 
     def fake(weights, generator):
@@ -375,21 +376,21 @@ def test_vanished_residual_falls_back_to_target(monkeypatch):
             return torch.tensor(0), False
         return real(weights, generator)
 
-    monkeypatch.setattr(kv, "_race", fake)
+    monkeypatch.setattr(kv_exact, "race", fake)
     zp, zq, g = make_case(30, 1, seed=16)
     d = draw_drafts(zq, 1, g)[0]
     zp[0, d[0]] = float("-inf")  # forces the rejection
     zp[0, 0] = float("-inf")  # the fake's index: must not leak out
     for _ in range(50):
         state["first"] = True
-        r = kv.exact_verify(d, zq, zp, generator=g)
+        r = kv.exact_acceptance(d, zq, zp, generator=g)
         assert r.n_accepted == 0 and not torch.isneginf(zp[0, r.tokens[0]])
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_draft_length_zero_is_bonus_only():
     zp, _, g = make_case(10, 0, seed=18)
-    r = kv.exact_verify(torch.zeros(0, dtype=torch.long), torch.zeros(0, 10), zp, generator=g)
+    r = kv.exact_acceptance(torch.zeros(0, dtype=torch.long), torch.zeros(0, 10), zp, generator=g)
     assert r.n_accepted == 0 and r.tokens.shape == (1,)
 
 
@@ -408,7 +409,7 @@ def test_property_no_nan_valid_output(V, L, sub, seed, scale):
     zp[:, torch.randperm(V, generator=g)[: V // 3]] = float("-inf")
     zp[:, zp[0].argmax()] = 0.0  # keep every target row normalizable
     d = draw_drafts(zq, 1, g)[0]
-    r = kv.exact_verify(d, zq, zp, generator=g)
+    r = kv.exact_acceptance(d, zq, zp, generator=g)
     assert r.tokens.shape == (r.n_accepted + 1,)
     assert not torch.isneginf(zp[r.n_accepted, r.tokens[-1]])
     assert all(not torch.isneginf(zp[j, d[j]]) for j in range(r.n_accepted))
@@ -416,16 +417,16 @@ def test_property_no_nan_valid_output(V, L, sub, seed, scale):
 
 @pytest.mark.usefixtures("one_thread")
 def test_sigmoid_kernel_warns_once_and_matches_its_analytic_law():
-    kv._reset_sigmoid_warning()
+    kv_sigmoid._reset_sigmoid_warning()
     zp, zq, g = make_case(12, 1, seed=19, noise=1.5)
     with pytest.warns(LossyVerifyWarning):
-        kv.sigmoid_verify(torch.tensor([0]), zq, zp, generator=g)
+        kv.sigmoid_acceptance(torch.tensor([0]), zq, zp, generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LossyVerifyWarning)
-        kv.sigmoid_verify(torch.tensor([0]), zq, zp, generator=g)  # second call: silent
+        kv.sigmoid_acceptance(torch.tensor([0]), zq, zp, generator=g)  # second call: silent
     N = 6000
     drafts = draw_drafts(zq, N, g)
-    first = Counter(s[0] for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_verify))
+    first = Counter(s[0] for s in run_ours(zp, zq, drafts, g, fn=kv.sigmoid_acceptance))
     law, p_acc = kv.sigmoid_first_token_distribution(zq[0], zp[0])
     assert gof_pvalue(first, {t: float(law[t]) for t in range(12)}, N) > ALPHA
     assert p_acc > 0.99  # saturation: nearly everything accepted

@@ -177,8 +177,8 @@ def test_certified_head_on_cuda_uses_triton():
 
 
 @pytest.mark.slow
-def test_exact_verify_with_triton_kernels_follows_the_target(monkeypatch):
-    """The batched exact verify routed through the Triton logsumexp and fused residual race (forced
+def test_exact_acceptance_with_triton_kernels_follows_the_target(monkeypatch):
+    """The batched exact acceptance routed through the Triton logsumexp and fused residual race (forced
     backend, interpreter on CPU): the first emitted token follows p exactly (chi-square, α = 0.001)."""
     from scipy import stats
 
@@ -195,6 +195,6 @@ def test_exact_verify_with_triton_kernels_follows_the_target(monkeypatch):
     q = torch.softmax(zq, -1)
     for _ in range(n):
         ids = torch.multinomial(q, 1, generator=g).squeeze(1)
-        res = hv.exact_verify(ids.to(DEV), zq.to(DEV), zp.to(DEV), generator=None, lazy=False)
+        res = hv.exact_acceptance(ids.to(DEV), zq.to(DEV), zp.to(DEV), generator=None, lazy=False)
         counts[int(res.tokens[0])] += 1
     assert stats.chisquare(counts.numpy(), (p0 * n).numpy()).pvalue > 1e-3

@@ -33,8 +33,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from hf_csv.core.speculative import (LossyVerifyWarning, VerifyResult, bounded_verify, exact_verify,
-                                   gumbel_coupled_verify, sigmoid_verify)
+from hf_csv.core.speculative import (AcceptanceResult, LossyVerifyWarning, bounded_acceptance, exact_acceptance,
+                                   gumbel_coupled_acceptance, sigmoid_acceptance)
 
 from hf_csv.transformers.compat import speculative_gen_utils
 from hf_csv.core.errors import CSVError
@@ -63,7 +63,7 @@ def check_transformers_version() -> Any:
 
 
 def _adapt(
-    verify: Callable[..., VerifyResult],
+    acceptance: Callable[..., AcceptanceResult],
     candidate_input_ids: torch.Tensor,
     candidate_logits: torch.Tensor,
     candidate_length: int,
@@ -88,7 +88,7 @@ def _adapt(
             f"{new_logits.shape[1]} positions (expected L and L+1)"
         )
     ids = candidate_input_ids[0, candidate_input_ids.shape[1] - L :]
-    res = verify(ids, candidate_logits[0], new_logits[0], ensemble_weight=assistant_ensemble_weight, **kw)
+    res = acceptance(ids, candidate_logits[0], new_logits[0], ensemble_weight=assistant_ensemble_weight, **kw)
     valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
     return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
 
@@ -103,8 +103,8 @@ def speculative_sampling_exact(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for stock ``_speculative_sampling`` with the same output distribution (see
-    :func:`hf_csv.core.speculative.exact_verify`), faster. Returns (valid_tokens, n_matches)."""
-    return _adapt(exact_verify, candidate_input_ids, candidate_logits, candidate_length, new_logits,
+    :func:`hf_csv.core.speculative.exact_acceptance`), faster. Returns (valid_tokens, n_matches)."""
+    return _adapt(exact_acceptance, candidate_input_ids, candidate_logits, candidate_length, new_logits,
                   assistant_ensemble_weight, generator=generator)
 
 
@@ -119,7 +119,7 @@ def speculative_sampling_sigmoid(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LOSSY stand-in for ``_speculative_sampling`` (seed paper's sigmoid approximation). Does not
     warn itself; :func:`patch_speculative_sampling` warns once per scope."""
-    return _adapt(sigmoid_verify, candidate_input_ids, candidate_logits, candidate_length, new_logits,
+    return _adapt(sigmoid_acceptance, candidate_input_ids, candidate_logits, candidate_length, new_logits,
                   assistant_ensemble_weight, generator=generator, warn=False)
 
 
@@ -185,7 +185,7 @@ def speculative_sampling_certified(
         return process(head._values(torch.full_like(tokens, r), tokens, Hf, Hn, dtype))
 
     ids = candidate_input_ids[0, candidate_input_ids.shape[1] - L:]
-    res = bounded_verify(ids, candidate_logits[0], z, mask, upper, complete, generator=generator, counts=counts)
+    res = bounded_acceptance(ids, candidate_logits[0], z, mask, upper, complete, generator=generator, counts=counts)
     valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
     return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
 
@@ -205,7 +205,7 @@ def speculative_sampling_gumbel(
     cur = candidate_input_ids.shape[1] - L
     rows = new_logits[0]
     g = noise.rows(range(cur, cur + L + 1), rows.shape[1], rows.device)
-    res = gumbel_coupled_verify(candidate_input_ids[0, cur:], rows, g)
+    res = gumbel_coupled_acceptance(candidate_input_ids[0, cur:], rows, g)
     valid = res.tokens.to(candidate_input_ids.dtype)[None, :]
     return valid, torch.tensor(res.n_accepted, dtype=torch.long, device=valid.device)
 
