@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from .quantize import NonFiniteWeightError
+from hf_csv_kernels.floats import NonFiniteWeightError, round_up_f32
 
 logger = logging.getLogger(__name__)
 
@@ -496,8 +496,6 @@ def row_terms(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 def _bounds_from_sums(err2: torch.Tensor, l1q: torch.Tensor, absl1: torch.Tensor,
                       scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`row_terms`' float32 bounds from the C sums (each raised by 1 + 1e-10, rounded up)."""
-    from .quantize import round_up_f32
-
     err_l2 = round_up_f32(err2.sqrt_().mul_(_RAISE))
     l1 = round_up_f32(l1q.double().mul_(scale.double()).mul_(_RAISE))
     abs_l1 = round_up_f32(absl1.mul_(_RAISE))

@@ -19,34 +19,14 @@ from typing import Optional
 
 import torch
 
+from hf_csv_kernels.floats import NonFiniteWeightError, gamma, round_up_f32, unit_roundoff
 
+# unit_roundoff, gamma, round_up_f32 and NonFiniteWeightError live in hf_csv_kernels.floats (shared with the C
+# quantizer, hf_csv_kernels.native); they stay importable from here, where the quantizer's callers look for them
 __all__ = ["Int8Rows", "QuantRows", "quantize_rows_int8", "quantize_rows_fp8", "rows_from_codes", "unit_roundoff",
            "gamma", "round_up_f32", "FP8_E4M3_MAX", "NonFiniteWeightError"]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-class NonFiniteWeightError(ValueError):
-    """A head weight is NaN or infinite: no row bound holds (the callers take the full head, with this reason)."""
-
-
-def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
-    """Unit roundoff u of a floating dtype (half the machine epsilon)."""
-    return torch.finfo(dtype).eps / 2
-
-
-def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """Higham's γ_n = n·u / (1 − n·u): the relative error bound of an n-term float sum."""
-    nu = n * unit_roundoff(dtype)
-    if nu >= 1:
-        raise ValueError(f"gamma({n}) undefined for {dtype}: n·u >= 1")
-    return nu / (1 - nu)
-
-
-def round_up_f32(x: torch.Tensor) -> torch.Tensor:
-    """Round a float64 tensor to the next float32 value that is >= it."""
-    y = x.to(torch.float32)
-    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 @dataclass
