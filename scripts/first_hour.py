@@ -15,7 +15,7 @@ Runs, each in its own process so that one failure cannot hide the rest:
    an audio file name without ffmpeg.
 
 Each step prints the command or code, its exit status, and the last lines of what it printed. Nothing is asserted:
-the output is for people (the behaviours are tested in tests/test_stack_new_user.py and tests/test_hub_vendor.py).
+the output is for people (the behaviours are tested in tests/test_stack_messages.py and tests/test_hub_vendor.py).
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def pytest_addoption(parser):
 def assume_subset_exact(monkeypatch):
     """Tests of the paths that hand the values on S to stock's sampler, verify or scores: their machinery under the
     property those paths need (every column subset rounds as the full call), which hf_csv itself only uses where a
-    probe finds it (docs/certificates.md §2.0; the gate is tested in tests/test_stack_trust_round2.py). Their token
+    probe finds it (docs/certificates.md §2.0; the gate is tested in tests/test_stack_subset_rounding.py). Their token
     comparisons with stock then still run on this host's real values."""
     from hf_csv.core.certificate import CertifiedHead
 
@@ -73,6 +73,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _chi2_p(draws, p) -> float:
+    """Chi-square p-value of integer ``draws`` (a numpy array) against the law ``p`` (a numpy array over the tokens):
+    categories expected >= 5 times, the rest pooled (the pool dropped where it is expected < 5 times)."""
+    import numpy as np
+    from scipy import stats as sps
+
+    n = len(draws)
+    counts = np.bincount(draws, minlength=len(p))
+    keep = p * n >= 5
+    obs = np.append(counts[keep], counts[~keep].sum()).astype(float)
+    exp = np.append(p[keep] * n, p[~keep].sum() * n)
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    return sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
 def tiny_llama(vocab: int = 256, scale: float = 1.0, seed: int = 0, eos: int = 2):

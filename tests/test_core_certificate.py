@@ -1,6 +1,7 @@
 """Each certificate's output equals the full computation."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from scipy import stats as sps
 from hf_csv.core.certificate import CertifiedHead
 from hf_csv.core.index import VocabIndex
 from hf_csv_kernels import gamma
+from conftest import ALPHA, _chi2_p
 from test_core_bounds import exact64, heads
 
 
@@ -465,3 +467,41 @@ def test_float16_logits_that_overflow_give_stocks_greedy_tokens():
         assert torch.equal(ref, out.sequences), scale
         certified += out.csv_stats["certified"]
     assert overflowed > 0 and certified > 0, (overflowed, certified)  # (both kinds of row ran)
+
+
+@pytest.mark.parametrize("budget", [0.05, 1])
+def test_topk_sample_draws_only_inside_stock_topk(budget):
+    """CertifiedHead.sample(top_k=K) draws from the top-K only, also when every row falls back (budget 1)."""
+    torch.manual_seed(0)
+    W = torch.randn(4000, 64) * 0.1  # a flat law: a draw over a superset of the top-20 leaves it often
+    H = torch.randn(6, 64)
+    head = CertifiedHead(W, budget=budget)
+    topk = F.linear(H, W).topk(20, dim=1).indices
+    for seed in range(30):
+        r = head.sample(H, temperature=1.5, top_k=20, generator=torch.Generator().manual_seed(seed))
+        assert (r.tokens[:, None] == topk).any(1).all()
+    if budget == 1:
+        assert r.stats.fallback == 6
+
+
+def test_bf16_sampling_follows_the_bf16_law():
+    """Logits near 200 (bf16 spacing 1.0) with offsets < 0.5 all round to 200: stock's law is uniform over
+    them, the fp32-exact law is not (TV > 0.05). The certified draw must follow stock's."""
+    V, d = 64, 8
+    W = torch.zeros(V, d)
+    W[:, 0] = -20.0
+    W[:5, 0] = 200.0
+    W[:5, 1] = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.4375])  # exact in bf16
+    Wb = W.bfloat16()
+    hb = torch.zeros(1, d, dtype=torch.bfloat16)
+    hb[0, 0], hb[0, 1] = 1.0, 1.0
+    stock = torch.nn.functional.linear(hb, Wb).float()[0].double()
+    exact = (hb.float() @ Wb.float().T)[0].double()
+    p_stock, p_exact = torch.softmax(stock, 0).numpy(), torch.softmax(exact, 0).numpy()
+    assert 0.5 * np.abs(p_stock - p_exact).sum() > 0.05
+    head = CertifiedHead(Wb, budget=1.0)
+    n = 20000
+    r = head.sample(hb.repeat(n, 1), out_dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    draws = r.tokens.numpy()
+    assert _chi2_p(draws, p_stock) > ALPHA
+    assert _chi2_p(draws, p_exact) < ALPHA

@@ -89,3 +89,47 @@ def test_default_num_clusters():
     assert default_num_clusters(262144) == 1024
     assert 16 <= default_num_clusters(49152) <= 1024
     assert default_num_clusters(10) <= 10
+
+
+def test_cluster_index_refuses_a_head_edited_in_an_unhashed_row():
+    """The fingerprint samples every (V // 4096)-th row; a head edited elsewhere passed it and the stale radius
+    gave a wrong certified token (5706 against stock's 37). Now the radii are recomputed from the live head."""
+    from hf_csv import CertifiedHead, VocabIndex
+    from hf_csv.core.errors import FingerprintMismatchError
+    from hf_csv.core.index import head_fingerprint
+
+    torch.manual_seed(0)
+    centers = torch.randn(64, 32) * 3
+    W = centers[torch.arange(8192) % 64] + 0.01 * torch.randn(8192, 32)  # tight clusters: the bound prunes
+    ix = VocabIndex.build(W, num_clusters=64, progress=False)
+    H = torch.randn(4, 32)
+    ok = CertifiedHead(W, provider="cluster", index=ix, budget=1.0).topk(H, k=1)
+    assert torch.equal(ok.logits.argmax(1), (H @ W.T).argmax(1))
+    # an odd row (not sampled by the fingerprint) of the cluster with the lowest bound for H[0], moved just past
+    # the row's maximum along H[0]: stock's argmax, outside the stale bound's candidate set
+    Uc = ix.centroids @ H[0] + ix.radius * H[0].norm()
+    i = min((int(j) for j in (ix.assignment == int(Uc.argmin())).nonzero()[:, 0] if j % 2), default=None)
+    assert i is not None
+    best = float((W @ H[0]).max())
+    W2 = W.clone()
+    W2[i] = ix.centroids[int(Uc.argmin())] + H[0] / H[0].norm() * (best - float(Uc.min()) + 1.0) / H[0].norm() * 2
+    assert int((W2 @ H[0]).argmax()) == i
+    assert head_fingerprint(W2) == head_fingerprint(W)
+    try:
+        head = CertifiedHead(W2, provider="cluster", index=ix, budget=1.0)
+    except FingerprintMismatchError as e:
+        assert "cluster index does not fit" in str(e)
+        return
+    res = head.topk(H, k=1)  # pragma: no cover - only if the index were accepted
+    assert torch.equal(res.logits.argmax(1), (H @ W2.T).argmax(1))
+
+
+def test_cluster_index_uses_live_terms():
+    """A stored radius larger than needed is replaced by the live head's (never trusted from the file)."""
+    from hf_csv import VocabIndex
+    torch.manual_seed(1)
+    W = torch.randn(2048, 16)
+    ix = VocabIndex.build(W, num_clusters=16, progress=False)
+    loose = VocabIndex(ix.config, dict(ix.tensors, radius=ix.radius * 10, bias_max=ix.bias_max + 5))
+    live = loose.for_head(W)
+    assert torch.equal(live.radius, ix.radius) and torch.equal(live.bias_max, ix.bias_max)

@@ -403,3 +403,27 @@ def test_a_call_that_ran_the_full_head_is_not_a_sample_of_the_thread_choice(monk
         assert seen == []
     finally:
         torch.set_num_threads(before)
+
+
+def test_speed_guard_prior_starts_large_calls_on_the_full_head():
+    """A shape not measured yet: 32+ rows start on the full head and try the certified one only max_probe calls in
+    (a single large call no longer pays the certified head's per-row work); small calls start certified."""
+    from hf_csv.core.speed import PRIOR_FULL_ROWS, SpeedGuard
+
+    g = SpeedGuard()
+    big, small = ("k", PRIOR_FULL_ROWS), ("k", 1)
+    picks = [g.certified(big, rows=PRIOR_FULL_ROWS) for _ in range(g.max_probe - 1)]
+    for c in picks:
+        g.record(big, c, 0.5 if c else 0.1)
+    assert not any(picks)
+    assert g.certified(big, rows=PRIOR_FULL_ROWS)  # the first try
+    g.record(big, True, 0.55)  # much slower: probed as rarely as the rule allows
+    later = [g.certified(big, rows=PRIOR_FULL_ROWS) for _ in range(200)]
+    assert sum(later) <= 1
+    assert g.certified(small, rows=1)
+    # a large shape where the certified head wins switches over after its first try
+    g2 = SpeedGuard()
+    for _ in range(g2.max_probe):
+        c = g2.certified(big, rows=64)
+        g2.record(big, c, 0.05 if c else 0.1)
+    assert all(g2.certified(big, rows=64) for _ in range(5))

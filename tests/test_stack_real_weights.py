@@ -1,10 +1,14 @@
-"""Certificates on real SmolLM2-135M weights (prepared by ../shared/models/prepare.py ci)."""
+"""Certificates on real SmolLM2-135M weights (prepared by ../shared/models/prepare.py ci): the screen and the
+certificates on its head, and sampling through ``generate`` (transformers' default top-50, chat-style settings) with
+stock's tokens for the seed."""
 import json
 
 import pytest
 import torch
 
+import hf_csv
 from conftest import SHARED, model_dir, tokenizer
+from hf_csv import CSVConfig
 from hf_csv.core.certificate import CertifiedHead
 from hf_csv.core.index import VocabIndex
 
@@ -64,3 +68,61 @@ def test_sampling_and_epsilon_on_real_weights(smol):
     s = ch.sample(H[:50], temperature=0.8, generator=torch.Generator().manual_seed(0))
     assert ((s.tokens >= 0) & (s.tokens < W.shape[0])).all()
     assert s.stats.certified + s.stats.near_ties == s.stats.rows and s.stats.near_ties <= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,expect", [("auto", "topk"), ("sample", "sample")])
+def test_smollm2_default_sampling_stays_in_stock_top50(mode, expect, assume_subset_exact, monkeypatch):
+    # (one call of 200 rows: the speed guard's prior would start it on the full head; this tests the draw)
+    monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
+    """transformers fills in top_k=50 for do_sample=True: every certified draw is in stock's top-50
+    (auto: checked top-K + stock sampler; mode="sample": the draw inside the head)."""
+    from transformers import AutoModelForCausalLM
+
+    d = model_dir("smollm2-135m")
+    tok = tokenizer(d)
+    m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
+    prompt = json.loads((SHARED / "models" / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    x = tok(prompt, return_tensors="pt")
+    n = 200
+    torch.manual_seed(0)
+    out = m.generate(input_ids=x.input_ids.repeat(n, 1), attention_mask=x.attention_mask.repeat(n, 1),
+                     do_sample=True, max_new_tokens=1, csv_config=CSVConfig(mode=mode))
+    assert m.csv_last_stats["mode"] == expect and m.csv_last_stats["certified"] > 0
+    with torch.no_grad():
+        top50 = set(m(**x).logits[0, -1].topk(50).indices.tolist())
+    assert set(out[:, -1].tolist()) <= top50
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw,mode", [
+    # Qwen2.5's shipped defaults: the checked top-K hands top-p and stock's sampler stock's own vector
+    (dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05), "topk"),
+    # min-p without top-k: the threshold certificate hands the min-p warper stock's vector
+    (dict(top_k=0, min_p=0.05, temperature=0.7, repetition_penalty=1.05), "threshold"),
+])
+def test_smollm2_chat_sampling_is_token_identical_with_the_same_seed(dtype, kw, mode, assume_subset_exact, monkeypatch):
+    """Chat-style sampling, batch 3 left-padded: the same seed gives stock's tokens, and most rows are
+    certified (budget 5 %)."""
+    # an exactness test: the speed guard's timing-dependent choice would make the certified-row counts vacuous
+    monkeypatch.setenv("HF_CSV_SPEED_GUARD", "0")
+    from transformers import AutoModelForCausalLM
+
+    d = model_dir("smollm2-135m")
+    tok = tokenizer(d, padding_side="left")
+    m = hf_csv.enable(AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval())
+    prompts = [json.loads(line)["prompt"] for line in (SHARED / "models" / "prompts.jsonl").read_text().splitlines()[:3]]
+    x = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(kw, do_sample=True, max_new_tokens=24)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        a = m.generate(**x, **kw)
+        torch.manual_seed(seed)
+        b = m.generate(**x, **kw, csv_config=CSVConfig())
+        assert torch.equal(a, b)
+        st = m.csv_last_stats
+        # of the certified head's rows; in bf16 the check re-runs the rows whose top-K set bf16's coarse values leave
+        # open (ties at the k-th), and those count as fallbacks, not certified
+        share = 0.5 if dtype == torch.float32 or mode != "topk" else 0.2
+        assert st["mode"] == mode and st["certified"] > share * st["rows"], st

@@ -8,7 +8,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_csv
 from hf_csv import CSVConfig
-from conftest import _ids, spec_llama, tiny_llama
+from conftest import ALPHA, _ids, spec_llama, tiny_llama
 
 
 @pytest.mark.parametrize("kw,mode,reason", [
@@ -235,3 +235,116 @@ def test_top_k_sampling_where_the_probe_finds_a_kernel_is_certified_and_stocks_t
         st = m.csv_last_stats
         assert torch.equal(got, want), (kw, got, want)
         assert st["mode"] == "topk" and st["certified"] > 0 and st["reasons"] == [], (kw, st)
+
+
+class ConfidenceStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        if not scores:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.softmax(scores[-1].float(), -1).amax(-1) > 0.5
+
+
+def test_stopping_criterion_reading_scores_declines(assume_subset_exact):  # scores="subvocab"
+    m = hf_csv.enable(tiny_llama(scale=2.0))
+    x = _ids(batch=1)
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              stopping_criteria=StoppingCriteriaList([ConfidenceStop()]))
+    a = m.generate(**x, **kw)
+    b = m.generate(**x, **kw, csv_config=CSVConfig(scores="subvocab"))
+    assert torch.equal(a.sequences, b.sequences)
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("ConfidenceStop" in r for r in st["reasons"]) and st["declined_rows"] > 0
+    ConfidenceStop.csv_safe = True  # a declared-safe criterion keeps the certificate
+    try:
+        m.generate(**x, max_new_tokens=4, do_sample=False, stopping_criteria=StoppingCriteriaList([ConfidenceStop()]),
+                   csv_config=CSVConfig())
+        assert m.csv_last_stats["mode"] == "topk"
+    finally:
+        del ConfidenceStop.csv_safe
+
+
+@pytest.mark.parametrize("mode", ["auto", "topk", "sample"])
+def test_beam_search_is_never_approximate_outside_epsilon_mode(mode, assume_subset_exact):
+    m = hf_csv.enable(tiny_llama(scale=20.0))
+    x = _ids()
+    a = m.generate(**x, max_new_tokens=6, num_beams=3, do_sample=False)
+    b = m.generate(**x, max_new_tokens=6, num_beams=3, do_sample=False, csv_config=CSVConfig(mode=mode))
+    assert torch.equal(a, b)
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("beam" in r for r in st["reasons"])
+    m.generate(**x, max_new_tokens=2, num_beams=3, do_sample=False, csv_config=CSVConfig(mode="epsilon"))
+    assert m.csv_last_stats["mode"] == "beam"
+
+
+@pytest.mark.parametrize("kw", [{"do_sample": False}, {"do_sample": True, "top_k": 10}])
+def test_output_scores_and_transition_scores_are_stock(kw):
+    m = hf_csv.enable(tiny_llama(scale=5.0))
+    x = _ids()
+    torch.manual_seed(0)
+    a = m.generate(**x, max_new_tokens=6, return_dict_in_generate=True, output_scores=True, **kw)
+    torch.manual_seed(0)
+    b = m.generate(**x, max_new_tokens=6, return_dict_in_generate=True, output_scores=True,
+                   csv_config=CSVConfig(), **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(s, t) for s, t in zip(a.scores, b.scores))
+    ta = m.compute_transition_scores(a.sequences, a.scores, normalize_logits=True)
+    tb = m.compute_transition_scores(b.sequences, b.scores, normalize_logits=True)
+    assert torch.equal(ta, tb) and (ta < 0).all()
+    assert any("output_scores" in r for r in m.csv_last_stats["reasons"])
+
+
+def test_custom_order_processor_reaches_the_sampling_law():
+    """A processor declaring csv_kind="order" (x -> 3x keeps every argmax, changes the law) was ignored by the head's
+    own draw with do_sample=True, top_k=0: chi-square p = 0 against stock's law. Now such a call uses the full head."""
+    import numpy as np
+    from scipy import stats as sps
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Triple(LogitsProcessor):
+        csv_kind = "order"
+
+        def __call__(self, input_ids, scores):
+            return scores * 3
+
+    m = hf_csv.enable(tiny_llama(scale=2.0))
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        law = torch.softmax(m(ids).logits[0, -1].float() * 3, -1).numpy().astype(np.float64)
+    draws = []
+    torch.manual_seed(0)
+    for _ in range(5):
+        out = m.generate(ids.repeat(400, 1), max_new_tokens=1, do_sample=True, top_k=0,
+                         logits_processor=LogitsProcessorList([Triple()]), csv_config=CSVConfig())
+        draws.append(out[:, -1].numpy())
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and "Triple" in " ".join(st["reasons"])
+    n = np.bincount(np.concatenate(draws), minlength=len(law))
+    keep = law * n.sum() >= 5
+    obs = np.append(n[keep], n[~keep].sum()).astype(float)
+    exp = np.append(law[keep], law[~keep].sum()) * n.sum()
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    assert sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+
+
+def test_masks_only_recognises_exactly_the_masking_processors():
+    from transformers import (MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                              RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
+                              TemperatureLogitsWarper)
+
+    from hf_csv.transformers.policy import masks_only
+
+    sup = SuppressTokensLogitsProcessor([5, 7])
+    assert masks_only([sup, NoRepeatNGramLogitsProcessor(2), MinNewTokensLengthLogitsProcessor(3, 2, 2)])
+    assert masks_only([])
+    assert not masks_only([sup, TemperatureLogitsWarper(0.7)])  # a value map, not a mask
+    assert not masks_only([RepetitionPenaltyLogitsProcessor(1.3)])  # lowers by an amount
+
+    class Mine(SuppressTokensLogitsProcessor):  # a subclass may do anything: not trusted by name
+        pass
+
+    class Declared:
+        csv_masks_only = True
+
+    assert not masks_only([Mine([1])])
+    assert masks_only([Declared()])

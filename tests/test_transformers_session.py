@@ -211,3 +211,27 @@ def test_an_assistant_with_a_wrapped_head_drafts_with_stocks_head(wrap):
     assert torch.equal(out, ref)
     st = target.csv_last_stats
     assert any(r.startswith("draft head stays stock: lm_head is") for r in st["reasons"]), st["reasons"]
+
+
+def test_weight_probe_sees_a_one_element_write_in_every_sampled_row():
+    """The fingerprint is exact integer arithmetic: one changed element (the smallest step: one ulp) in any sampled
+    row changes it, for every float dtype, within PROBE_ROWS / PROBE_PER_CALL calls."""
+    from hf_csv.transformers.session import PROBE_PER_CALL, PROBE_ROWS, WeightProbe
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        head = torch.nn.Linear(64, 3000, bias=True).to(dtype)
+        probe = WeightProbe.of(head)
+        calls = -(-len(probe.rows) // PROBE_PER_CALL)
+        assert calls <= PROBE_ROWS // PROBE_PER_CALL
+        assert all(probe.unchanged(head) for _ in range(calls))
+        for k in (0, len(probe.rows) // 2, len(probe.rows) - 1):
+            r = int(probe.rows[k])
+            with torch.no_grad():
+                w = head.weight.data
+                w[r, 13] = torch.nextafter(w[r, 13], torch.tensor(float("inf"), dtype=dtype))
+            assert not all(probe.unchanged(head) for _ in range(calls)), (dtype, k)
+            fresh = WeightProbe.of(head)  # (a rebuilt screen fingerprints the new bytes)
+            assert all(fresh.unchanged(head) for _ in range(calls))
+            probe = fresh
+        head.bias.data[int(probe.rows[3])] += 1
+        assert not all(probe.unchanged(head) for _ in range(calls))

@@ -16,7 +16,7 @@ from transformers.models.whisper.generation_whisper import WhisperGenerationMixi
 
 import hf_csv
 from hf_csv import CSVConfig
-from conftest import SHARED, _tiny_whisper
+from conftest import SHARED, _tiny_whisper, model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _audio import long_clip  # noqa: E402
@@ -342,3 +342,27 @@ def test_real_long_form_with_temperature_fallback_identical(whisper_tiny_en, spy
     assert torch.equal(x, y) and dx == dy and len(dx) >= 3
     st = m.csv_last_stats["whisper_thresholds"]
     assert st["decisions"] > 0, st
+
+
+@pytest.mark.slow
+def test_whisper_thresholds_on_generation_config_are_honoured():
+    from scipy.io import wavfile
+    from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+
+    d = model_dir("whisper-tiny.en")
+    proc = AutoProcessor.from_pretrained(d)
+    m = hf_csv.enable(AutoModelForSpeechSeq2Seq.from_pretrained(d).eval())
+    sr, a = wavfile.read(SHARED / "models" / "speech" / "en_fox.wav")
+    f = proc(a.astype("float32") / 32768.0, sampling_rate=sr, return_tensors="pt").input_features
+    m.generation_config.logprob_threshold = -0.1  # strict: forces the temperature fallback
+    m.generation_config.no_speech_threshold = 0.6
+    # (transformers 5.23 itself fails in short-form with thresholds set on the config unless scores are returned)
+    kw = dict(temperature=(0.0, 0.4, 0.8), return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(0)
+    x = m.generate(f, **kw)
+    torch.manual_seed(0)
+    # scores="subvocab": output_scores alone would not decline, so only the threshold check protects the call
+    y = m.generate(f, **kw, csv_config=CSVConfig(scores="subvocab"))
+    assert torch.equal(x.sequences, y.sequences)
+    st = m.csv_last_stats
+    assert st["mode"] == "full" and any("logprob_threshold" in r for r in st["reasons"])

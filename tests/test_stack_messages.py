@@ -1,4 +1,5 @@
-"""Issue 36: what a newcomer sees in the first hour — the messages of the usual mistakes, and the stats."""
+"""What a user is told: the messages of the usual mistakes (a mistyped artifact path, an uncached repo offline, a
+missing C compiler, beam search that certifies nothing) and the call's stats (every row counted, never None or NaN)."""
 from __future__ import annotations
 
 import logging
