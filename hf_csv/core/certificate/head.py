@@ -44,6 +44,10 @@ class CertifiedHead(SamplingCertificates, EpsilonCertificates):
     hand the values themselves to stock's code need them bit for bit: :meth:`subset_exact` (a probe,
     not a proof) gates those.
 
+    Built here, checked and dispatched here (the public certificate methods); computed in its bases, each a module
+    of this package: :class:`~.sampling.SamplingCertificates` (on :class:`~.topk.TopKCertificates`) and
+    :class:`~.epsilon.EpsilonCertificates`, on :class:`~.values.HeadValues` and :class:`~.probes.SubsetProbes`.
+
     Args:
         weight: head weight [V, d] (any float dtype; never copied).
         bias: optional [V].
@@ -125,6 +129,8 @@ class CertifiedHead(SamplingCertificates, EpsilonCertificates):
             return self._run_rows(H, fn, *args, **kwargs)
 
     def _run_rows(self, H: torch.Tensor, fn, *args, **kwargs) -> CertResult:
+        """``fn`` (a certificate on the checked rows) where every row's ||h||_∞ lies in [H_MIN, H_MAX]; else stock's
+        full call on every row of the call, counted (a sampled call's rows then carry no draw: tokens -1)."""
         Hf, Hn = self._check(H)
         if Hf.shape[0] == 1:  # a decode row: one reduction and a host read (NaN fails both comparisons: below)
             a = float(Hf.abs().max())

@@ -36,6 +36,7 @@ class HeadValues(SubsetProbes):
     _b_max: float
     _dense_cutoff: int
 
+    # ------------------------------------------------------- the provider's screen
     def ready(self, H: torch.Tensor) -> bool:
         """Whether a certified call now would run without waiting for a background part of the build
         (the screen's first packing of a large head). Calibrates on ``H`` if needed. Callers that must
@@ -79,6 +80,7 @@ class HeadValues(SubsetProbes):
         screen = getattr(p, "screen", None)
         return screen(Hf) if screen is not None else (*p(Hf), None)
 
+    # ------------------------------------------ stock's head and the exact recompute
     def full(self, H: torch.Tensor) -> torch.Tensor:
         """The full head in fp32 arithmetic (the real-valued reference of the bounds' tests)."""
         out = H.float() @ self.weight.float().T if self.weight.dtype != torch.float32 else H.float() @ self.weight.T
@@ -110,6 +112,7 @@ class HeadValues(SubsetProbes):
         val, err = self.exact(tokens, rows, H)
         return _down(_down(val - err, 2) - (self.stock_error(H) if E is None else E)[rows], 2)
 
+    # ------------------------------------------------- the values on S and their slack
     def _values(self, r: torch.Tensor, t: torch.Tensor, Hf: torch.Tensor, Hn: torch.Tensor,
                 value_dtype: torch.dtype, sorted_one_row: bool = False,
                 with_slack: bool = False, subset: Optional[SubsetFn] = None
