@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -48,7 +48,7 @@ from hf_csv_kernels.floats import NonFiniteWeightError, round_up_f32
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "why_unavailable", "path", "runnable_paths", "simd_flags", "load_path", "PATHS", "screen_i8", "interleave",
-           "min_code", "row_terms", "top1", "top1_constants", "MAX_D"]
+           "min_code", "row_terms", "top1", "Top1Result", "top1_constants", "MAX_D"]
 
 _SRC = Path(__file__).with_name("csrc") / "screen_avx2.c"
 # -ffp-contract=off: no product and sum fuse, so the float steps that mirror torch ops round as those ops do (hf_csv_top1)
@@ -375,7 +375,6 @@ def screen_i8(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, cr: torch.T
     return out
 
 
-
 def block8(w: torch.Tensor) -> torch.Tensor:
     """float32 [V, k] -> [ceil(V / 8), k, 8]: each block of 8 rows column by column (rows padded with zeros), the
     layout in which :func:`screen_bounds` reads the outlier columns (8 rows per FMA)."""
@@ -555,41 +554,45 @@ def outlier_cols(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col
 def top1_constants(gam: float, underflow: float, l1_max: float, b_max: float) -> torch.Tensor:
     """The float32 constants :func:`top1` takes, each rounded to nearest from the Python float as torch rounds a
     scalar operand of a float32 op: γ, the underflow term, max ||W_i||_1, max |b|, 1 + 1e-6, the slack coefficient
-    2γ(1 + 2γ)(1 + 1e-6) and twice the underflow term (hf_csv.core.certificate.CertifiedHead._values)."""
+    2γ(1 + 2γ)(1 + 1e-6) and twice the underflow term (hf_csv.core.certificate.values.HeadValues._values)."""
     return torch.tensor([gam, underflow, l1_max, b_max, 1 + 1e-6, 2 * gam * (1 + 2 * gam) * (1 + 1e-6),
                          2 * underflow], dtype=torch.float32)
 
 
+class Top1Result(NamedTuple):
+    """What :func:`top1` returns: S's candidates row by row, tokens ascending (on a negative code, the rest None)."""
+    n: int  # the candidates of all rows (the sum of counts); negative: a code (the C source) for the torch path
+    logits: Optional[torch.Tensor]  # [N, V] in the head's dtype: the values on S, -inf elsewhere
+    mask: Optional[torch.Tensor]  # [N, V] bool: S
+    rows: Optional[torch.Tensor]  # [n] int64: each candidate's row
+    toks: Optional[torch.Tensor]  # [n] int64: its token
+    acc: Optional[torch.Tensor]  # [n] float32: its accumulator (its value is it rounded to the head's dtype)
+    ent: Optional[torch.Tensor]  # [n] float32: its slack (>= |acc - stock's accumulator|)
+    out: Optional[torch.Tensor]  # [N, 4] float32 per row: the cut t, the bound, the row's slack, its radius sum
+    counts: Optional[torch.Tensor]  # [N] int64: |S| per row
+
+
 def top1(weight: torch.Tensor, H: torch.Tensor, upper: torch.Tensor, seeds: torch.Tensor, abs_l1: torch.Tensor,
-         cst: torch.Tensor, limit: int) -> tuple:
-    """The top-1 epilogue of ``hf_csv.core.certificate.CertifiedHead._topk`` in one C call (csrc/screen_avx2.c,
-    ``hf_csv_top1``): for a float32 or bfloat16 head ``weight`` [V, d] (no bias), rows ``H`` [N, d] in float32, the
-    screen's upper bounds ``upper`` [N, V] and its seeds (int64 [N]), returns ``(n, logits [N, V] in the head's dtype,
-    mask [N, V] bool, rows [n], toks [n], acc [n], ent [n], out [N, 4] = (t, bound, slack, radius sum) per row,
-    counts [N])`` with the candidates row by row, tokens ascending; or ``(code, None, ...)`` with a negative code
-    (its meanings: the C source) where the torch path must take the call. ``cst``: :func:`top1_constants`. The guarantees are
-    the torch path's (docs/certificates.md §2.1, §2.0); the caller checks the dtypes and shapes (contiguous CPU
-    tensors)."""
+         cst: torch.Tensor, limit: int) -> Top1Result:
+    """The top-1 epilogue of ``hf_csv.core.certificate.topk.TopKCertificates._topk`` in one C call (``hf_csv_top1``)
+    with the torch path's guarantees (docs/certificates.md §2.1, §2.0), on a float32 or bfloat16 head ``weight`` [V, d]
+    (no bias), float32 rows ``H`` [N, d], ``upper`` [N, V], int64 seeds [N], ``cst``: all contiguous CPU, as checked."""
     lib = _lib_or_raise()
     V, d = weight.shape
-    N = H.shape[0]
-    bf16 = weight.dtype == torch.bfloat16
+    N, bf16 = H.shape[0], weight.dtype == torch.bfloat16
     limit = max(1, min(int(limit), V - 1))
-    logits = torch.empty(N, V, dtype=weight.dtype)
-    mask = torch.empty(N, V, dtype=torch.bool)
+    logits, mask = torch.empty(N, V, dtype=weight.dtype), torch.empty(N, V, dtype=torch.bool)
     toks = torch.empty(N, limit, dtype=torch.int64)
-    acc = torch.empty(N, limit, dtype=torch.float32)
-    ent = torch.empty(N, limit, dtype=torch.float32)
-    out = torch.empty(N, 4, dtype=torch.float32)
-    counts = torch.empty(N, dtype=torch.int64)
+    acc, ent = torch.empty(N, limit, dtype=torch.float32), torch.empty(N, limit, dtype=torch.float32)
+    out, counts = torch.empty(N, 4, dtype=torch.float32), torch.empty(N, dtype=torch.int64)
     n = int(lib.hf_csv_top1(weight.data_ptr(), int(bf16), V, d, H.data_ptr(), upper.data_ptr(), seeds.data_ptr(), N,
                             abs_l1.data_ptr(), cst.data_ptr(), limit, logits.data_ptr(), mask.data_ptr(),
                             toks.data_ptr(), acc.data_ptr(), ent.data_ptr(), out.data_ptr(), counts.data_ptr()))
     if n < 0:
-        return n, None, None, None, None, None, None, None, None
+        return Top1Result(n, None, None, None, None, None, None, None, None)
     if N == 1:
         rows = torch.zeros(n, dtype=torch.int64)
-        return n, logits, mask, rows, toks[0, :n], acc[0, :n], ent[0, :n], out, counts
+        return Top1Result(n, logits, mask, rows, toks[0, :n], acc[0, :n], ent[0, :n], out, counts)
     keep = torch.arange(limit)[None, :] < counts[:, None]
     rows = torch.repeat_interleave(torch.arange(N), counts)
-    return n, logits, mask, rows, toks[keep], acc[keep], ent[keep], out, counts
+    return Top1Result(n, logits, mask, rows, toks[keep], acc[keep], ent[keep], out, counts)

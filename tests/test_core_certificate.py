@@ -200,7 +200,7 @@ def test_cut_order_stays_strict_after_the_temperature(dtype, T):
     strictly below round_d(lo) after x/T, for division and for multiplication by the rounded reciprocal. The plain
     cut does not survive a narrowing temperature in float32: for some lo its bound ties with lo after x/T (checked, so
     this test fails if the margin is dropped)."""
-    from hf_csv.core.certificate import _cut, _cut_order
+    from hf_csv.core.certificate.rounding import _cut, _cut_order
 
     g = torch.Generator().manual_seed(int(T * 10))
     lo = torch.cat([torch.randn(20000, generator=g) * 30, torch.tensor([1e-3, -1e-3, 17.0, -17.0])])
@@ -242,7 +242,7 @@ def _counting_top1(monkeypatch):
     def spy(*a, **k):
         got = native.top1(*a, **k)
         seen["calls"] += 1
-        seen["declined"] += got[0] < 0
+        seen["declined"] += got.n < 0
         return got
 
     monkeypatch.setitem(dispatch._REGISTRY["top1"], "native", spy)
@@ -435,7 +435,7 @@ def test_cut_at_the_largest_finite_value(dtype):
     """A cap b at d's largest finite value: its successor in d is +inf, and a stock logit above d's overflow
     threshold rounds to +inf > b, so no finite threshold caps the uncomputed tokens: the row gets no cut (t = -inf,
     the full head). A cap below it keeps its cut."""
-    from hf_csv.core.certificate import _cut, _cut_at
+    from hf_csv.core.certificate.rounding import _cut, _cut_at
 
     top = torch.finfo(dtype).max
     t, b = _cut_at(torch.tensor([top, 1000.0], dtype=torch.float32), torch.tensor([1.0, 1.0]), dtype)
@@ -505,3 +505,10 @@ def test_bf16_sampling_follows_the_bf16_law():
     draws = r.tokens.numpy()
     assert _chi2_p(draws, p_stock) > ALPHA
     assert _chi2_p(draws, p_exact) < ALPHA
+def test_index_is_a_vocab_index_not_a_path(tmp_path):
+    """The core never loads an artifact (the Hub layer does): CertifiedHead takes a VocabIndex or None, and a path
+    raises a TypeError that names the loader."""
+    W = torch.randn(50, 8)
+    for bad in (str(tmp_path), tmp_path):
+        with pytest.raises(TypeError, match=r"CSVArtifact\.from_pretrained\(path\)\.index"):
+            CertifiedHead(W, provider="cluster", index=bad)

@@ -35,7 +35,7 @@ def vendored_subset_exact(monkeypatch):
 
     def load_and_patch(*a, **k):
         out = real(*a, **k)
-        for mod in _vendored(".csv_core_certificate"):
+        for mod in _vendored(".csv_core_certificate_head"):
             monkeypatch.setattr(mod.CertifiedHead, "subset_exact", lambda self: True)
         return out
 

@@ -382,3 +382,29 @@ def test_native_fused_bounds_round_up_and_match_the_plain_kernel():
                                 real += c[3] * abs(F(bias[i]))
                             # the norm: float64 within 1e-12 of the real one, the kernel's own raised by 1e-10
                             assert F(up[r, i]) >= real, (V, r, i)
+
+
+@pytest.mark.skipif(not native.available(), reason="needs hf_csv's native kernel (x86-64 AVX2 and a C compiler)")
+def test_top1_names_its_result():
+    """native.top1 returns a Top1Result: the candidates by name (n = the sum of counts, rows/toks/acc/ent of length n,
+    S in mask, the values on S in logits, per row (t, bound, slack, radius sum) in out), and on a negative code (a row
+    over the limit) the code alone."""
+    from hf_csv_kernels import gamma
+
+    g = torch.Generator().manual_seed(3)
+    V, d, N = 300, 24, 2
+    W = torch.randn(V, d, generator=g)
+    H = torch.randn(N, d, generator=g)
+    real = H.double() @ W.double().T
+    upper = (real + 0.5 + real.abs() * 1e-3).float()  # >= every real logit, with room
+    abs_l1 = W.abs().sum(1) * (1 + 1e-6)
+    cst = native.top1_constants(gamma(d + 2), (d + 2) * 2.0 ** -149, float(abs_l1.max()) * (1 + 1e-6), 0.0)
+    seeds = real.argmax(1)
+    got = native.top1(W, H, upper, seeds, abs_l1, cst, V)
+    assert isinstance(got, native.Top1Result) and got.n > 0
+    assert got.n == int(got.counts.sum()) == got.rows.numel() == got.toks.numel() == got.acc.numel() == got.ent.numel()
+    assert torch.equal(got.mask.sum(1), got.counts) and torch.equal(torch.isfinite(got.logits), got.mask)
+    assert torch.equal(got.logits.argmax(1), real.argmax(1)) and got.out.shape == (N, 4)
+    assert torch.equal(got.logits[got.rows, got.toks], got.acc)  # float32 head: the values are the accumulators
+    declined = native.top1(W, H, upper + 1e6, seeds, abs_l1, cst, 2)  # every token a candidate: over the limit
+    assert declined.n < 0 and declined.logits is None and declined.counts is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hf_csv
 from conftest import _ids, tiny_llama
@@ -114,7 +115,7 @@ def test_subset_probe_finds_a_kernel_that_rounds_subsets_differently(monkeypatch
         out = real(h, w, b)
         return out if w.shape[0] == W.shape[0] else torch.nextafter(out, torch.full_like(out, float("inf")))
 
-    monkeypatch.setattr(C.F, "linear", nudged)
+    monkeypatch.setattr(F, "linear", nudged)
     assert C.probe_subset_kernel(W, None) is None
     assert C.subset_mismatches(W, None, C.gathered_kernel(W, None), first=False) == 3 * len(C.PROBE_ROWS) * len(C.PROBE_SIZES)
 
@@ -144,7 +145,7 @@ def test_a_row_count_or_setting_the_probe_did_not_try_gets_its_own_probe(monkeyp
 
     if not ch.subset_exact():
         pytest.skip("this host's BLAS has no subset kernel for this head")
-    monkeypatch.setattr(C.F, "linear", two_rows_off)
+    monkeypatch.setattr(F, "linear", two_rows_off)
     assert ch.subset_exact()  # the probe's own row counts still pass
     H = torch.randn(2, 16, generator=g)
     r, t = torch.tensor([0, 0, 1, 1]), torch.tensor([5, 7, 5, 299])
@@ -171,7 +172,7 @@ def test_values_of_a_strided_or_offset_h_are_the_full_calls_where_a_plan_relies_
 
     if not ch.subset_exact():
         pytest.skip("this host's BLAS has no subset kernel for this head")
-    monkeypatch.setattr(C.F, "linear", offset_off)
+    monkeypatch.setattr(F, "linear", offset_off)
     assert ch.subset_exact()  # fresh h: every probe passes
     seq = torch.randn(2, 5, 17, generator=g)[..., :16]  # [B, L, d] with a row stride of 5·17: the last positions
     H = seq[:, -1, :]
@@ -220,7 +221,7 @@ def test_compiled_sampling_probes_the_graphs_own_gather(monkeypatch):
         out = real(h, w, b)
         return out if w.shape[0] == W.shape[0] else torch.nextafter(out, out + 1)
 
-    monkeypatch.setattr(C.F, "linear", gathered_off)
+    monkeypatch.setattr(F, "linear", gathered_off)
     W2 = torch.randn(500, 16)
     assert not C.graph_gather_matches_full(W2, 64, rows=1)
     assert C.subset_probe_key()[-2] == torch.get_float32_matmul_precision()
@@ -243,7 +244,7 @@ def _block_rounding(monkeypatch, W):
         ok = w.shape[0] == W.shape[0] or w.shape[0] % 8 == 0
         return out if ok else torch.nextafter(out, torch.full_like(out, float("inf")))
 
-    monkeypatch.setattr(C.F, "linear", blocky)
+    monkeypatch.setattr(F, "linear", blocky)
 
 
 @pytest.mark.parametrize("block", [8, 16, 64])
@@ -290,7 +291,7 @@ def test_probe_picks_the_blocked_kernel_and_the_values_use_it(monkeypatch):
     head = hf_csv.CertifiedHead(W)
     assert head.subset_kernel() is None and head.subset_exact() and head.subset_kernel() == "blocked8"
     H = torch.randn(2, 32)
-    full = C.F.linear(H, W)
+    full = F.linear(H, W)
     r = torch.tensor([0, 0, 0, 1, 1])
     t = torch.tensor([3, 999, 500, 998, 3])
     vals = head._values(r, t, H, H, torch.float32)
@@ -314,7 +315,7 @@ def test_probe_takes_the_smallest_block_that_keeps_each_rows_place(monkeypatch, 
         moved = (w[:, 0].round().long() - torch.arange(w.shape[0])) % period != 0  # a row off its place
         return torch.where(moved, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
 
-    monkeypatch.setattr(C.F, "linear", by_place)
+    monkeypatch.setattr(F, "linear", by_place)
     want = f"blocked{period}"
     assert C.probe_subset_kernel(W, None) == want
     for name, make in C.SUBSET_KERNELS.items():  # every smaller kernel is caught, every larger one passes

@@ -176,8 +176,8 @@ def test_value_reading_sampling_where_the_probe_finds_no_kernel_is_stocks_full_h
     import copy
     import logging
 
-    from hf_csv.core import certificate
-    monkeypatch.setattr(certificate, "probe_subset_kernel", lambda *a, **k: None)  # no kernel matches, on any host
+    from hf_csv.core.certificate import probes
+    monkeypatch.setattr(probes, "probe_subset_kernel", lambda *a, **k: None)  # no kernel matches, on any host
     ref = tiny_llama(vocab=4099, scale=20.0)
     m = hf_csv.enable(copy.deepcopy(ref))
     x = _ids(batch=1, vocab=4099)
@@ -204,8 +204,8 @@ def test_value_reading_sampling_where_the_probe_finds_no_kernel_is_stocks_full_h
 def test_sample_mode_keeps_the_own_draw_where_the_probe_finds_no_kernel(monkeypatch):
     """``CSVConfig(mode="sample")`` asks for hf_csv's own draw (stock's law, not its stream) on any host: it reads no
     value bit for bit, so a failing probe leaves it as it is, and the stats say so (``mode=sample``)."""
-    from hf_csv.core import certificate
-    monkeypatch.setattr(certificate, "probe_subset_kernel", lambda *a, **k: None)
+    from hf_csv.core.certificate import probes
+    monkeypatch.setattr(probes, "probe_subset_kernel", lambda *a, **k: None)
     m = hf_csv.enable(tiny_llama(vocab=4099, scale=20.0))
     m.generate(**_ids(batch=1, vocab=4099), max_new_tokens=4, do_sample=True, top_k=50,
                csv_config=CSVConfig(mode="sample"))

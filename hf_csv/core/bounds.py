@@ -247,6 +247,6 @@ def make_provider(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor] 
         return ScreenProvider(weight, bias, **kwargs)
     if name == "cluster":
         if index is None:
-            raise ValueError("provider 'cluster' needs an index (VocabIndex or path)")
+            raise ValueError("provider 'cluster' needs an index (a VocabIndex)")
         return ClusterProvider(index, weight, bias)
     raise ValueError(f"unknown bound provider {name!r}; choose 'screen' or 'cluster'")

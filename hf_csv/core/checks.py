@@ -18,7 +18,7 @@ import torch
 
 from hf_csv.core.speculative import gumbel_shift, row_max_finite
 
-from hf_csv.core.certificate import _f32_down, _f32_up
+from hf_csv.core.certificate.rounding import _f32_down, _f32_up
 
 __all__ = ["topk_unsure", "set_unsure", "gumbel_unsure", "epsilon_bound", "min_p_unsure", "timestamp_decision",
            "nucleus_sigma", "nucleus_decide", "round_charge", "normalizer_terms", "logprob_box",

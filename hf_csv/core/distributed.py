@@ -218,15 +218,40 @@ class VocabParallelHead:
             raise ValueError(f"k must be in [1, {self.vocab_size}], got {k}")
         out_dtype = out_dtype or torch.float32
         N, dev = H.shape[0], H.device
-        ninf = float("-inf")
         stats = CertStats(vocab_size=self.vocab_size)
-        Vr = self.weight.shape[0]
-        kk = min(k, Vr)
         amax = H.float().abs().amax(1)
         finite = (amax >= H_MIN) & (amax <= H_MAX)  # NaN / inf / out-of-range rows: the full logits (below)
         Hs = torch.where(finite[:, None], H, torch.zeros_like(H))  # non-finite rows: handled below
-        # 1-2: local seeds -> lower bounds -> global τ
-        lb = torch.full((N, k), ninf, device=dev)
+        tau, U = self._global_tau(Hs, k, out_dtype)
+        # 3-4: local candidate sets, global size
+        if U is not None:
+            S = U >= tau[:, None]
+            counts = S.sum(1)
+        else:
+            S, counts = None, torch.zeros(N, dtype=torch.long, device=dev)
+        total = self._all_reduce_sum(counts)
+        over = (total > self.budget) | ~finite
+        cand_v, cand_i = self._local_topk(H, Hs, S, over, k)
+        logits, mask, sorted_key = self._global_topk(cand_v, cand_i, k, out_dtype)
+        # non-finite rows: the gathered values are garbage; give them the (rare) full logits like stock
+        if not bool(finite.all()):
+            bad = (~finite).nonzero(as_tuple=True)[0]
+            # every rank gets here (H is replicated), so the all-gather inside full() matches up
+            logits[bad] = self.full(H[bad]).to(out_dtype)
+            mask[bad] = True
+            stats.nonfinite += len(bad)
+        self._count(stats, over, total, k, sorted_key, out_dtype)
+        return CertResult(logits=logits, stats=stats, mask=mask)
+
+    def _global_tau(self, Hs: torch.Tensor, k: int, out_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Steps 1-2: τ [N], the k-th largest lower bound gathered from every rank's seeds (<= the global k-th largest
+        logit), lowered for a head of lower precision; and this rank's upper bounds U [N, V_r] (None on an empty
+        shard)."""
+        N, dev = Hs.shape[0], Hs.device
+        kk = min(k, self.weight.shape[0])
+        lb = torch.full((N, k), float("-inf"), device=dev)
+        U = None
         if kk > 0:
             est, U = self.local.provider(Hs)
             seeds = est.topk(kk, dim=1).indices
@@ -237,15 +262,16 @@ class VocabParallelHead:
         tau = all_lb.topk(k, dim=1).values[:, -1]
         if out_dtype != torch.float32:  # keep tokens that round to a tie in a lower-precision head
             tau = tau - tau.abs() * torch.finfo(out_dtype).eps - torch.finfo(out_dtype).tiny
-        # 3-4: local candidate sets, global size
-        if Vr > 0:
-            S = U >= tau[:, None]
-            counts = S.sum(1)
-        else:
-            counts = torch.zeros(N, dtype=torch.long, device=dev)
-        total = self._all_reduce_sum(counts)
-        over = (total > self.budget) | ~finite
-        # 5: exact local top-k over S_r (or the whole shard on fallback rows)
+        return tau, U
+
+    def _local_topk(self, H: torch.Tensor, Hs: torch.Tensor, S: Optional[torch.Tensor], over: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 5, on this rank: the exact top-k over S_r (the whole shard on the rows ``over``), as (values [N, k],
+        global ids [N, k]), padded with (-inf, -1)."""
+        N, dev = H.shape[0], H.device
+        ninf = float("-inf")
+        Vr = self.weight.shape[0]
+        kk = min(k, Vr)
         cand_v = torch.full((N, k), ninf, device=dev)
         cand_i = torch.full((N, k), -1, dtype=torch.long, device=dev)
         if Vr > 0:
@@ -263,6 +289,14 @@ class VocabParallelHead:
                 tv, ti = dense.topk(kk, dim=1)
             cand_v[:, :kk] = tv
             cand_i[:, :kk] = torch.where(torch.isfinite(tv) | over[:, None], self.token_ids[ti], -1)
+        return cand_v, cand_i
+
+    def _global_topk(self, cand_v: torch.Tensor, cand_i: torch.Tensor, k: int, out_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 5, across the ranks: the global top-k of every rank's candidates, as (dense logits [N, V] in
+        ``out_dtype``, the mask of the k tokens, the gathered values sorted in descending order)."""
+        N, dev = cand_v.shape[0], cand_v.device
+        ninf = float("-inf")
         all_v = self._all_gather(cand_v).permute(1, 0, 2).reshape(N, -1)
         all_i = self._all_gather(cand_i).permute(1, 0, 2).reshape(N, -1)
         # global top-k, ties broken by the smaller token id (as argmax / topk on a dense row)
@@ -279,13 +313,13 @@ class VocabParallelHead:
         rr = torch.arange(N, device=dev)[:, None].expand_as(gi)
         logits[rr[ok], gi[ok]] = gv[ok].to(out_dtype)
         mask[rr[ok], gi[ok]] = True
-        # non-finite rows: the gathered values are garbage; give them the (rare) full logits like stock
-        if not bool(finite.all()):
-            bad = (~finite).nonzero(as_tuple=True)[0]
-            # every rank gets here (H is replicated), so the all-gather inside full() matches up
-            logits[bad] = self.full(H[bad]).to(out_dtype)
-            mask[bad] = True
-            stats.nonfinite += len(bad)
+        return logits, mask, sorted_key
+
+    def _count(self, stats: CertStats, over: torch.Tensor, total: torch.Tensor, k: int, sorted_key: torch.Tensor,
+               out_dtype: torch.dtype) -> None:
+        """The call's traffic (``self.comm``) and its stats: rows, fallbacks (``over``), |S| summed over the ranks
+        (``total``), and for k = 1 the near ties among the gathered exact values."""
+        N = over.shape[0]
         self.comm.steps += 1
         self.comm.rows += N
         self.comm.full_logits_bytes += N * self.vocab_size * 4
@@ -303,4 +337,3 @@ class VocabParallelHead:
                 gap = top2[:, 0] - top2[:, 1]
                 tol = top2[:, 0].abs() * (torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 1e-6)
                 stats.near_ties += int((gap <= tol).sum())
-        return CertResult(logits=logits, stats=stats, mask=mask)

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from hf_csv_kernels.quantize import Int8Rows, gamma, unit_roundoff
 from hf_csv_kernels.screen import weight_only_radius
 
-from hf_csv.core.certificate import H_MAX, H_MIN, _cut, _cut_order, _down, value_interval
+from hf_csv.core.certificate import H_MAX, H_MIN
+from hf_csv.core.certificate.rounding import _cut, _cut_order, _down, value_interval
 
 __all__ = ["StaticTopK"]
 
