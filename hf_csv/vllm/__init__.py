@@ -61,9 +61,10 @@ while the runner computes that step's logits, and a wrapper of the runners' ``lo
 after the weights load and wraps the loaded model instance's ``load_weights`` (an in-place reload then invalidates the
 screen: ``hf_csv.vllm.weights.weight_key``). Set ``HF_CSV_VLLM=0`` to keep the plugin loaded but inert.
 
-The modules, one idea each: :func:`register` here (the entry point; the only importer of ``hf_csv.vllm.layer``, the
-layer itself, and of ``hf_csv.vllm.subset``, vLLM's GEMM on a subset of the head's rows: the two modules that import
-vLLM); the pure ones, which import neither vLLM nor transformers: ``classify`` (the head's, the batch's and each
+The modules, one idea each: :func:`register` here (the entry point, the only importer of ``hf_csv.vllm.layer``); the
+two that import vLLM at their top, ``layer`` (the layer itself, a module-level class, and ``prebuild``) and ``subset``
+(vLLM's GEMM on a subset of the head's rows; imported by the layer); the pure ones, which import neither vLLM nor
+transformers: ``classify`` (the head's, the batch's and each
 row's verdict from vLLM's metadata), ``guard`` (the speed guard's use), ``certify`` (one batch through the core),
 ``shards`` (tensor parallelism's combination), ``probe`` (the subset kernel's probe), ``sampler`` (vLLM's min-p and
 top-p on a padded row), ``weights`` (the certified head of the weights and when it is stale), ``runner`` (the model
