@@ -54,7 +54,7 @@ def offline(args) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    from hf_csv.vllm import plugin as vllm_plugin
+    import hf_csv.vllm as vllm_plugin
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0, max_model_len=1024,
               max_num_seqs=max(args.batch))
     out = {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens, "runs": args.runs,

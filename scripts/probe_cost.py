@@ -3,7 +3,7 @@
 A plan that hands the values on S to stock's sampler, verify or score outputs runs only after
 ``CertifiedHead.subset_kernel`` probed the current setting and row count (hf_csv/core/certificate.py); a call's first row
 count other than the probe's own (1, 3, 16) pays a probe on that many rows. The vLLM plugin probes each batch size
-of its value-reading rows the same way (``hf_csv.vllm.plugin.probe_subset_kernel``); run from vLLM's environment, the
+of its value-reading rows the same way (``hf_csv.vllm.probe.probe_subset_kernel``); run from vLLM's environment, the
 plugin's probe here uses vLLM's own CPU GEMM dispatch as the plugin does (elsewhere ``F.linear`` stands in, and the
 line says so). This script times those probes on a model's real head, each in a fresh ``CertifiedHead``
 state (the probe's memo is per head), and prints one JSON line per probe::
@@ -21,17 +21,17 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from hf_csv.core.certificate import PROBE_ROWS, probe_subset_kernel
-from hf_csv.vllm.plugin import probe_subset_kernel as plugin_probe
+from hf_csv.vllm.probe import probe_subset_kernel as plugin_probe
 
 
 def _engine_gemm(W: torch.Tensor):
     """The full call and the subset kernel the plugin probes: vLLM's CPU GEMM dispatch where vLLM is installed (the
-    plugin's own :func:`hf_csv.vllm.plugin.engine_subset_kernel`), else ``F.linear``."""
+    plugin's own :func:`hf_csv.vllm.subset.engine_subset_kernel`), else ``F.linear``."""
     try:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     except ImportError:
         return (lambda H: F.linear(H, W)), (lambda H, cols: F.linear(H, W[cols])), "F.linear stand-in"
-    from hf_csv.vllm.plugin import engine_subset_kernel
+    from hf_csv.vllm.subset import engine_subset_kernel
 
     head = torch.nn.Module()
     head.weight = torch.nn.Parameter(W.contiguous(), requires_grad=False)

@@ -58,7 +58,7 @@ def law_worker(args, llm) -> dict:
     out: dict = {"counts": {}, "logprobs": {}, "plugin": {}}
     stats = None
     if args.plugin:
-        from hf_csv.vllm import plugin as stats
+        import hf_csv.vllm as stats
     for name, kw in LAW_SETTINGS.items():
         for j, prompt in enumerate(prompts):
             if stats is not None:
@@ -189,7 +189,7 @@ def worker(args) -> dict:
     out: dict = {"tokens": {}, "seconds": {}, "layer": str(op_registry_oot.get("LogitsProcessor")), "tp": args.tp}
     stats = None
     if args.plugin:
-        from hf_csv.vllm import plugin as vllm_plugin
+        import hf_csv.vllm as vllm_plugin
         stats = vllm_plugin if args.tp == 1 else _WorkerStats(llm, vllm_plugin)
     for name, params in sets.items():
         if stats is not None:

@@ -412,7 +412,7 @@ def test_only_plans_that_prove_their_decisions_within_the_slack_ask_for_own_valu
 
 
 def test_prepare_packs_now_and_keeps_the_later_work_in_the_background():
-    """CertifiedHead.prepare (an engine's load step: hf_csv.vllm.plugin.prebuild) calibrates and packs in the calling
+    """CertifiedHead.prepare (an engine's load step: hf_csv.vllm.layer.prebuild) calibrates and packs in the calling
     thread, so the first certified call finds the screen ready; the provider's background setting is left as it was
     (the columns' re-choice from the first real rows stays off the decode path), and results are the same."""
     g = torch.Generator().manual_seed(0)

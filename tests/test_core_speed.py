@@ -146,6 +146,23 @@ def test_speed_guard_unit():
     assert g.summary("k")["choice"] == "certified"
 
 
+def test_speed_guard_lists_the_keys_it_has_seen():
+    """``has`` / ``keys``: read-only views of the keys asked so far (a caller, e.g. the vLLM plugin, relates a new
+    key to the ones already measured), in the order of their first call; a key is there from its first call."""
+    from hf_csv.core.speed import SpeedGuard
+
+    g = SpeedGuard()
+    assert g.keys() == [] and not g.has("a")
+    g.certified("b")
+    g.certified("a", rows=64)
+    g.certified("b")
+    assert g.keys() == ["b", "a"] and g.has("a") and g.has("b") and not g.has("c")
+    keys = g.keys()
+    g.certified("c")
+    assert keys == ["b", "a"] and g.keys() == ["b", "a", "c"]  # (a snapshot)
+    assert g.summary("c") is None  # (listed before any measurement)
+
+
 def test_speed_guard_declines_cuda_heads_before_building_a_screen(monkeypatch):
     """On CUDA the certified head was measured slower than stock's head at every shape (docs/benchmarks.md §4): a
     guarded head there runs the full head, decided before any screen is built; HF_CSV_SPEED_GUARD=0 lifts it. (The

@@ -107,7 +107,7 @@ def _tiny_tp_model(out: Path) -> Path:
 
 def test_tensor_parallel_greedy_rows_are_certified_and_identical(tmp_path):
     """Two CPU ranks (vLLM's mp executor): each certifies its vocabulary shard, the shards' summaries are combined
-    within their slack (hf_csv.vllm.plugin.combine_shards); token ids equal stock vLLM's with the same ranks."""
+    within their slack (hf_csv.vllm.shards.combine_shards); token ids equal stock vLLM's with the same ranks."""
     if not (MODELS / "smollm2-135m" / "config.json").exists():
         pytest.skip("smollm2-135m missing (its tokenizer): python ../shared/models/prepare.py ci")
     path = _tiny_tp_model(tmp_path / "tiny-tp")
@@ -128,8 +128,7 @@ def test_lora_wrapper_calls_take_vllms_head():
     its own ``_get_logits``: the plugin must hand such a call to vLLM's forward, never certify the bare head."""
     import torch
 
-    from hf_csv.vllm import plugin as vllm_plugin
-    cls = vllm_plugin._layer_class()
+    from hf_csv.vllm.layer import CsvLogitsProcessor
 
     class Wrapper:
         logits_as_input, soft_cap, scale = False, None, 1.0
@@ -138,7 +137,7 @@ def test_lora_wrapper_calls_take_vllms_head():
             return h @ lm_head.T + 1.0  # (the "delta": not what the bare head gives)
 
     W, H = torch.randn(50, 8), torch.randn(2, 8)
-    assert torch.equal(cls.forward(Wrapper(), W, H), H @ W.T + 1.0)
+    assert torch.equal(CsvLogitsProcessor.forward(Wrapper(), W, H), H @ W.T + 1.0)
 
 
 def _untied_pair(tmp_path: Path) -> tuple:

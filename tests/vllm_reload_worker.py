@@ -14,7 +14,7 @@ os.environ.update(VLLM_PLUGINS="hf_csv", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLL
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    from hf_csv.vllm import plugin as vllm_plugin
+    import hf_csv.vllm as vllm_plugin
     src, new, prompts_file = sys.argv[1:4]
     prompts = [json.loads(line)["prompt"] for line in open(prompts_file)][:4]
     params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in prompts]

@@ -339,6 +339,16 @@ class SpeedGuard:
         """``"c"`` or ``"f"``: the current choice for ``key`` (None before its first call)."""
         return self._ctl.best(key)
 
+    def has(self, key) -> bool:
+        """Read-only: whether ``key`` has had a call (:meth:`certified` asked for it), measured or not."""
+        return key in self._state
+
+    def keys(self) -> list:
+        """Read-only: the keys that have had a call, in the order of their first call (a snapshot: later calls may
+        add keys)."""
+        with self._ctl._lock:
+            return list(self._state)
+
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled
         decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.transformers.policy)."""
