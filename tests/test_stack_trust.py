@@ -170,7 +170,7 @@ def test_screen_rebuilt_after_optimizer_step_and_load_state_dict():
 
 def test_a_lora_merge_through_data_rebuilds_the_screen(caplog):
     """peft's merge (``safe_merge=False``) writes ``base_layer.weight.data += B @ A * scaling``: no version bump, the
-    same storage. The sampled row fingerprints (hf_csv.transformers.session.WeightProbe) see it, the screen is rebuilt with a
+    same storage. The sampled row fingerprints (hf_csv.transformers.heads.WeightProbe) see it, the screen is rebuilt with a
     warning, and the tokens are stock's (before the probe: other tokens, counted certified)."""
     m = hf_csv.enable(tiny_llama(scale=20.0))
     x = _ids()
@@ -206,7 +206,7 @@ def test_a_screen_built_under_inference_mode_serves_a_call_in_grad_mode():
 def test_weight_probe_sees_a_one_element_write_in_every_sampled_row():
     """The fingerprint is exact integer arithmetic: one changed element (the smallest step: one ulp) in any sampled
     row changes it, for every float dtype, within PROBE_ROWS / PROBE_PER_CALL calls."""
-    from hf_csv.transformers.session import PROBE_PER_CALL, PROBE_ROWS, WeightProbe
+    from hf_csv.transformers.heads import PROBE_PER_CALL, PROBE_ROWS, WeightProbe
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         head = torch.nn.Linear(64, 3000, bias=True).to(dtype)
