@@ -14,7 +14,7 @@ Whisper's override); ``uninstall()`` restores them. Both go through :func:`hf_cs
 
 During a certified call narrow, scoped, restoring patches are active for that model only
 (:mod:`hf_csv.transformers.scope`, docs/processors.md; every touch point: :mod:`hf_csv.transformers.patches`): the
-output head is swapped for :class:`hf_csv.transformers.heads.CSVHead`;
+output head is swapped for :class:`hf_csv.transformers.step.CSVHead`;
 instance-level ``_get_logits_processor`` / ``_get_stopping_criteria`` inspect what generate built,
 pick the certificate (:func:`hf_csv.transformers.policy.decide_mode`) and append a :class:`CSVLogitsProcessor`
 when needed. Modules import one way: enable -> drafts -> scope -> policy/processors -> heads -> session -> step.
@@ -318,7 +318,7 @@ def install() -> None:
     _version_reason()
     for owner in _install_owners():
         orig = owner.__dict__["generate"]
-        if not getattr(orig, "_hf_csv", False):  # (installed already)
+        if not getattr(orig, "_hf_csv", False):  # (else installed already)
             pin(owner, "generate", _class_generate(orig))
 
 
