@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 import hf_csv
 from hf_csv import CSVConfig
 from hf_csv.hub.artifact import CSVArtifact
-from hf_csv.transformers.session import get_certified_head
+from hf_csv.transformers.heads import get_certified_head
 from hf_csv_kernels import native
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -179,7 +179,7 @@ def main() -> None:
     identical = torch.equal(ref, out)
     new = ref.shape[1] - n_in
     t_stock, t_csv = [], []
-    name, head = hf_csv.transformers.session.find_head(model)
+    name, head = hf_csv.transformers.heads.find_head(model)
     orig_fwd = CSVHead.forward
     acc = {"t": 0.0, "n": 0, "cert": []}  # cert: seconds of each head call that ran certified (not a guard probe)
     rows: list = []  # decode rows the head was fed (for the head-alone timing)
@@ -212,7 +212,7 @@ def main() -> None:
         # the head in generate and alone, interleaved round by round (drift and load hit both alike), each side's calls
         # that certified every row: in generate over 2 calls (64 head calls; the speed guard's probes of the full
         # head, which cost the full head's time, left out), alone cold on the rows generate fed the head
-        ch = hf_csv.transformers.session.get_certified_head(head, cfg)
+        ch = hf_csv.transformers.heads.get_certified_head(head, cfg)
         greedy = args.preset == "greedy"
         call: dict = {}  # the arguments of the certified head's last topk call in generate (replayed alone)
         orig_topk = type(ch).topk
@@ -340,7 +340,7 @@ def longform(args) -> None:
     res = {"model": os.path.basename(os.path.normpath(args.model)), "preset": args.preset, "audio_s": seconds,
            "runs": args.runs, "threads": args.threads, "load": args.load, "dtype": args.dtype, "batch": 1,
            "machine_before": before}
-    _, head = hf_csv.transformers.session.find_head(model)
+    _, head = hf_csv.transformers.heads.find_head(model)
     for name, (stock, csv) in paths.items():
         with torch.no_grad():
             ref, t_first_stock = timed(stock)

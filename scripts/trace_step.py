@@ -72,7 +72,7 @@ def trace(step: int = 3, repetition_penalty: float | None = None, max_new_tokens
         model.generate(ids, **{**kw, "max_new_tokens": warm_tokens})  # the screen is built and settles
         # its columns' re-choice runs in a background thread: wait for it (on a busy machine it can outlast the
         # call), so that the traced step is the settled one whatever the load
-        from hf_csv.transformers.session import find_head, get_certified_head
+        from hf_csv.transformers.heads import find_head, get_certified_head
 
         ch = get_certified_head(find_head(model)[1], CSVConfig())
         deadline = time.monotonic() + 120

@@ -242,7 +242,7 @@ def _step_costs(m, draft, feat, runs: int) -> dict:
     ``body_ms = step_ms - head_full_ms``. ``c_full`` is the assistant's step over the target's with full heads (the
     earlier ``step_cost_ratio``); ``c_certified`` with both heads certified (body + certified head)."""
     import hf_csv
-    from hf_csv.transformers.session import find_head, get_certified_head
+    from hf_csv.transformers.heads import find_head, get_certified_head
 
     enc = m.get_encoder()(feat)
     start = torch.tensor([[m.generation_config.decoder_start_token_id]])

@@ -113,7 +113,7 @@ def check_tensor_parallel(rank, world, out):
     with torch.no_grad():
         tp_stock = m.generate(ids, max_new_tokens=16, do_sample=False)
         o = m.generate(ids, max_new_tokens=16, do_sample=False, csv_config=CSVConfig(), return_dict_in_generate=True)
-    from hf_csv.transformers.session import _HEADS
+    from hf_csv.transformers.heads import _HEADS
 
     kinds = [type(e.head).__name__ for per in _HEADS.values() for e in per.values()]
     out["tp"] = (torch.equal(tp_stock, ref), torch.equal(o.sequences, ref), o.csv_stats.get("certified", 0),

@@ -321,7 +321,7 @@ def test_speed_guard_judges_the_certified_head_once_settled(monkeypatch):
             _time.sleep(0.006)  # stock's head: slower than a settled certified call, faster than an unsettled one
         return real_fwd(self, x)
 
-    # (on the class: a forward set on the head instance is a wrapper hf_csv declines, hf_csv.transformers.session.head_decline_reason)
+    # (on the class: a forward set on the head instance is a wrapper hf_csv declines, hf_csv.transformers.heads.head_decline_reason)
     monkeypatch.setattr(torch.nn.Linear, "forward", slow_head)
     gen = dict(max_new_tokens=24, do_sample=False)
     ref = m.generate(ids, **gen)

@@ -18,7 +18,7 @@ import hf_csv
 from hf_csv import CSVConfig
 from hf_csv.core.certificate import CertifiedHead, probe_subset_kernel
 from hf_csv.core.static import StaticTopK
-from hf_csv.transformers.session import find_head, get_certified_head
+from hf_csv.transformers.heads import find_head, get_certified_head
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_stack_differential import _build  # noqa: E402
@@ -107,7 +107,7 @@ def test_no_graph_break():
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert m.csv_last_stats["compiled_head"]["certified"] > 0
     # the graph runs the head's own screen provider (its eager kernels, through hf_csv::screen_bounds)
-    from hf_csv.transformers.session import find_head, head_entry
+    from hf_csv.transformers.heads import find_head, head_entry
 
     plans = list(head_entry(find_head(m)[1], CSVConfig()).static_plans.values())
     assert plans and all(p.screen_key is not None for p in plans)
@@ -277,7 +277,7 @@ def test_compiled_plan_only_for_a_lone_call():
     """A graph cannot tell calls apart: the static head is installed only while one certified call is active on the
     model; a second call, or a compiled caller without a session, makes every compiled caller use stock's head until
     the last call exits (docs/certificates.md §3.9)."""
-    from hf_csv.transformers.session import set_static_plan, swapped_head
+    from hf_csv.transformers.heads import set_static_plan, swapped_head
 
     m = _tiny("llama", seed=7)
     W = m.lm_head.weight
@@ -390,7 +390,7 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
     """A compiled step cannot be timed: where the head's speed guard measured the full head faster on the eager steps
     (same mode and batch), the graph gets stock's head, the session stays certified for its eager steps (which keep
     feeding the guard), the reason is logged, and the tokens are stock compiled's."""
-    from hf_csv.transformers.session import find_head, head_entry
+    from hf_csv.transformers.heads import find_head, head_entry
     from hf_csv.core.speed import SpeedGuard
     from hf_csv.core.speed import rows_bucket
 

@@ -56,7 +56,7 @@ def test_loaded_screen_gives_identical_tokens_and_skips_quantization(tmp_path, m
         assert torch.equal(a, b)
         st = m.csv_last_stats
         assert st["mode"] == "topk" and st["certified"] > 0
-    head = hf_csv.transformers.session.get_certified_head(m.lm_head, CSVConfig(index=str(tmp_path)))
+    head = hf_csv.transformers.heads.get_certified_head(m.lm_head, CSVConfig(index=str(tmp_path)))
     # the stored calibration was the start; 32 real rows later the columns are re-chosen from the first 8 of them
     assert head.provider._seen is None and head.provider._recalibrate
     fresh = hf_csv.core.bounds.ScreenProvider(m.lm_head.weight, outlier_cols=CSVArtifact.from_pretrained(str(tmp_path))

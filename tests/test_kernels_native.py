@@ -264,7 +264,7 @@ def test_native_kernel_certifies_the_first_call_and_serves_calls_of_several_rows
         st = _certified_greedy(m, ids, ref)
         assert st["full_head_calls"] == 0 and st["certified"] == 6
         assert not any("still being packed" in r for r in st["reasons"])
-        from hf_csv.transformers.session import find_head, get_certified_head
+        from hf_csv.transformers.heads import find_head, get_certified_head
 
         ch = get_certified_head(find_head(m)[1], hf_csv.CSVConfig())
         state = ch.provider.state

@@ -67,7 +67,7 @@ def test_background_packing_uses_the_full_head_until_ready(monkeypatch):
         assert st["full_head_calls"] == st["head_calls"] == 6 and st["rows"] == 0
         assert any("still being packed" in r for r in st["reasons"])
         gate.set()
-        from hf_csv.transformers.session import find_head, get_certified_head
+        from hf_csv.transformers.heads import find_head, get_certified_head
 
         ch = get_certified_head(find_head(m)[1], hf_csv.CSVConfig())
         ch.provider.state.ready.wait(30)

@@ -227,7 +227,7 @@ def _case(i: int) -> dict:
     # hand the values on S to stock's sampler must then take the full head (stock's tokens for the seed), never
     # hf_csv's own draw (stock's law only), whatever this host's BLAS does
     c["probe"] = "fail" if kind == "sample" and random.Random(67867967 * i + 23).random() < 0.15 else "host"
-    # a head hf_csv cannot certify (hf_csv.transformers.session.head_decline_reason), its own stream: the call must run stock's head
+    # a head hf_csv cannot certify (hf_csv.transformers.heads.head_decline_reason), its own stream: the call must run stock's head
     c["wrap"] = random.Random(91815541 * i + 7).choices(["none", "hook", "quantize_dynamic", "lora"],
                                                        weights=[45, 1, 1, 1])[0]
     c["kind"] = kind
@@ -456,7 +456,7 @@ def _head_wrapper(m, c: dict):
     else the hook)."""
     import copy
 
-    from hf_csv.transformers.session import find_head
+    from hf_csv.transformers.heads import find_head
 
     wrap = c.get("wrap", "none")
     if wrap == "quantize_dynamic" and c["dtype"] != torch.float32:

@@ -40,7 +40,7 @@ def test_screen_rebuilt_after_optimizer_step_and_load_state_dict():
 
 def test_a_lora_merge_through_data_rebuilds_the_screen(caplog):
     """peft's merge (``safe_merge=False``) writes ``base_layer.weight.data += B @ A * scaling``: no version bump, the
-    same storage. The sampled row fingerprints (hf_csv.transformers.session.WeightProbe) see it, the screen is rebuilt with a
+    same storage. The sampled row fingerprints (hf_csv.transformers.heads.WeightProbe) see it, the screen is rebuilt with a
     warning, and the tokens are stock's (before the probe: other tokens, counted certified)."""
     m = hf_csv.enable(tiny_llama(scale=20.0))
     x = _ids()

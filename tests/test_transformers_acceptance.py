@@ -329,12 +329,12 @@ def test_is_done_candidate_keeps_the_drafts_without_a_bonus(monkeypatch):
     d = draw_drafts(zq, 1, g)[0]
     cand = torch.cat([torch.zeros(2, dtype=torch.long), d])[None]
     with patch_speculative_sampling():
-        monkeypatch.setitem(hv._installed, "extra", "is_done_candidate")
+        monkeypatch.setattr(hv, "_extra", "is_done_candidate")
         v, n = gen_utils._speculative_sampling(cand, zq[None], 3, zp[None], True)
         assert v[0].tolist() == d.tolist() and int(n) == 2
         v, n = gen_utils._speculative_sampling(cand, zq[None], 3, zp[None], False)
         assert v.shape[1] == 4 and v[0, :3].tolist() == d.tolist() and int(n) == 3
-        monkeypatch.setitem(hv._installed, "extra", "assistant_ensemble_weight")
+        monkeypatch.setattr(hv, "_extra", "assistant_ensemble_weight")
 
 
 @pytest.mark.usefixtures("one_thread")

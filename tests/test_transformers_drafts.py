@@ -408,7 +408,7 @@ def test_sampled_draft_without_top_k_keeps_its_tail(pair, monkeypatch):
     target, draft = pair
     seen = []
     import hf_csv.transformers.acceptance as hv
-    from hf_csv.transformers.session import find_head, get_certified_head
+    from hf_csv.transformers.heads import find_head, get_certified_head
 
     orig, orig_cert = hv._IMPLS["exact"], hv.speculative_sampling_certified
 
@@ -1033,8 +1033,3 @@ def test_draft_stats_have_a_summary_line_built_as_the_targets(pair, monkeypatch)
                       return_dict_in_generate=True)
     d = out.csv_stats["draft"]
     assert f"speed guard {d['declined_rows']}" in d["summary"], d["summary"]
-    # before any draft call the line is there too (no rows yet)
-    from hf_csv.core.certificate import CertStats
-    from hf_csv.transformers.session import summary_line
-    assert summary_line(CertStats(), 0) == "certified 0/0 rows"
-    assert summary_line(CertStats(), 0, full_reason="why") == "full head (why)"

@@ -1,5 +1,6 @@
-"""hf_csv.transformers.enable: ``model.generate(..., csv_config=...)`` on an enabled model: stock's tokens (batches with
-padding, streamers, real weights), bitwise stock without ``csv_config``, an untested transformers version."""
+"""hf_csv.transformers.enable: ``model.generate(..., csv_config=...)`` on an enabled model (or after ``install()``, undone
+by ``uninstall()``): stock's tokens (batches with padding, streamers, real weights), bitwise stock without
+``csv_config``, an untested transformers version."""
 from __future__ import annotations
 
 import copy
@@ -201,3 +202,29 @@ def test_a_call_that_raises_leaves_no_stale_csv_last_stats(bad):
     assert m.csv_last_stats is None  # stats=False: nothing collected, nothing stale
     m.generate(ids, max_new_tokens=3, do_sample=False, csv_config=CSVConfig())
     assert m.csv_last_stats is not None and m.csv_last_stats is not first
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_class_functions():
+    """install() makes every model's generate accept csv_config (GenerationMixin's and Whisper's, through
+    hf_csv.transformers.patches.pin); a second install changes nothing; uninstall puts the original functions back."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    owners = (GenerationMixin, WhisperGenerationMixin)
+    stock = [o.__dict__["generate"] for o in owners]
+    m = tiny_llama(scale=20.0)
+    x = _ids()
+    ref = m.generate(**x, max_new_tokens=4, do_sample=False)
+    try:
+        hf_csv.install()
+        ours = [o.__dict__["generate"] for o in owners]
+        assert all(getattr(f, "_hf_csv", False) for f in ours)
+        hf_csv.install()
+        assert [o.__dict__["generate"] for o in owners] == ours
+        out = m.generate(**x, max_new_tokens=4, do_sample=False, csv_config=CSVConfig())
+        assert torch.equal(out, ref) and m.csv_last_stats["certified"] > 0
+    finally:
+        hf_csv.uninstall()
+    assert [o.__dict__["generate"] for o in owners] == stock
+    hf_csv.uninstall()  # (nothing installed: a no-op)
+    assert [o.__dict__["generate"] for o in owners] == stock

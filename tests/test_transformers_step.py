@@ -26,7 +26,7 @@ def test_a_call_the_guard_keeps_on_the_full_head_builds_no_screen(monkeypatch):
     screen unbuilt (no packing beside stock's head on a shared CPU), with stock's tokens; a one-row call builds it."""
     import hf_csv
     import hf_csv.core.speed as speed
-    from hf_csv.transformers.session import find_head, get_certified_head
+    from hf_csv.transformers.heads import find_head, get_certified_head
 
     from conftest import _ids, tiny_llama
 

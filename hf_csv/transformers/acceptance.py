@@ -17,7 +17,7 @@ Guarantees:
 * ``mode="exact"``: the emitted tokens have exactly the distribution the stock function produces
   (the target model's), proof in docs/speculative.md; return values have stock's shapes and dtypes.
 * Scoped and restoring: the original function is put back when the last active scope exits, also
-  when the body raises. Scopes nest.
+  when the body raises. Scopes nest. (Installed by :func:`hf_csv.transformers.patches.global_override`.)
 * Thread-safe: installation is reference-counted under a lock, and the mode is *thread-local* — a
   thread that has not entered a scope always gets the stock function, even while another thread
   is inside one. (Consequence: enter the scope in the thread that calls ``generate``.)
@@ -38,6 +38,7 @@ from hf_csv.core.speculative import (AcceptanceResult, LossyVerifyWarning, bound
 
 from hf_csv.transformers.compat import speculative_gen_utils
 from hf_csv.core.errors import CSVError
+from hf_csv.transformers.patches import global_override, installed
 from hf_csv.transformers.plans import Bounded, Full, TopK
 
 __all__ = [
@@ -300,8 +301,8 @@ class SpeculativePatch:
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
-_lock = threading.RLock()
-_installed: dict[str, Any] = {"depth": 0, "original": None, "module": None, "extra": None}
+# the name of ``_speculative_sampling``'s fifth parameter on this version (hf_csv.transformers.compat), read on entry
+_extra: str | None = None
 _local = threading.local()
 
 
@@ -332,7 +333,7 @@ def _dispatch(
         return _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
             candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     h = st[-1]
-    extra_name = _installed["extra"]
+    extra_name = _extra
     extra = args[0] if args else kwargs.get(extra_name)
     weight = extra if extra_name == "assistant_ensemble_weight" else None
     sess = h.session
@@ -390,8 +391,10 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
             raise ValueError("mode 'gumbel' needs a certified session with keyed noise: use "
                              "generate(..., assistant_model=..., csv_config=CSVConfig(speculative='gumbel'))")
         self.handle = SpeculativePatch(mode=mode, generator=generator, session=session)
+        self._scopes: list = []  # the installations this object entered (hf_csv.transformers.patches.global_override)
 
     def __enter__(self) -> SpeculativePatch:
+        global _extra
         gen_utils, sup = speculative_gen_utils()
         if self.handle.mode == "sigmoid":
             warnings.warn(
@@ -400,15 +403,11 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
                 LossyVerifyWarning,
                 stacklevel=2,
             )
-        with _lock:
-            if _installed["depth"] == 0:
-                current = gen_utils._speculative_sampling
-                if current is _dispatch:  # left behind by a foreign restore order; reuse its original
-                    current = _dispatch.__hf_csv_original__  # type: ignore[attr-defined]
-                _dispatch.__hf_csv_original__ = current  # type: ignore[attr-defined]
-                _installed.update(original=current, module=gen_utils, extra=sup.speculative_extra)
-                gen_utils._speculative_sampling = _dispatch
-            _installed["depth"] += 1
+        _extra = sup.speculative_extra
+        # installed once for all scopes, reference-counted, restored by the last exit (hf_csv.transformers.patches)
+        scope = global_override(gen_utils, "_speculative_sampling", _dispatch)
+        scope.__enter__()
+        self._scopes.append(scope)
         _stack().append(self.handle)
         return self.handle
 
@@ -419,21 +418,14 @@ class patch_speculative_sampling:  # noqa: N801 (used like a function)
             if st[i] is self.handle:
                 del st[i]
                 break
-        with _lock:
-            _installed["depth"] -= 1
-            if _installed["depth"] == 0:
-                mod = _installed["module"]
-                if mod._speculative_sampling is _dispatch:
-                    mod._speculative_sampling = _installed["original"]
-                else:
-                    # someone patched on top of us; restoring would clobber their patch
-                    warnings.warn("transformers' _speculative_sampling was replaced by another patch "
-                                  "inside an hf_csv scope; leaving it in place", RuntimeWarning, stacklevel=2)
-                _installed.update(original=None, module=None)
+        self._scopes.pop().__exit__(*exc)
         return None
 
 
 def installed_original() -> Callable[..., Any] | None:
     """The stock function while a scope is active (None otherwise); for tests and benchmarks."""
-    return _installed["original"]
+    import sys
 
+    gen_utils = sys.modules.get("transformers.generation.utils")
+    with installed(gen_utils, "_speculative_sampling") as inst:
+        return None if inst is None else inst.state["original"]

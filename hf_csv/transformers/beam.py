@@ -19,7 +19,8 @@ A decision that cannot be certified is never guessed: :class:`BeamUncertified` i
 :func:`hf_csv.transformers.enable.csv_generate` runs the call again on the full head (counted and logged). So tokens are
 always stock's. The intervals themselves are returned nowhere: calls that return scores use the full head.
 
-Patch points (instance-level, scoped to one certified call, restored on exit): ``_get_top_k_continuations``,
+Patch points (instance-level, installed where the call's plan is the exact beam plan, restored at the call's end:
+:func:`beam_decisions`): ``_get_top_k_continuations``,
 ``_get_running_beams_for_next_iteration``, ``_update_finished_beams`` and ``_check_early_stop_heuristic`` of
 ``GenerationMixin`` (the same helpers, called the same way, in transformers 4.57 and 5.20–5.24:
 :mod:`hf_csv.transformers.compat`). Each wrapper calls stock's method and validates, bit for bit, that its replay of stock's
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -236,13 +237,32 @@ def _early_stop(model: nn.Module, orig: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def beam_decisions(model: nn.Module, sess: CSVSession):
-    """The checked beam bookkeeping for ``sess`` on ``model`` (inactive unless the mode is ``beam_exact``)."""
+def _overrides(model: nn.Module) -> Iterator[None]:
+    """The four scoped beam overrides on ``model`` (restored by the last exit, also after an exception)."""
     with instance_override(model, "_get_top_k_continuations", lambda o: _top_k_continuations(model, o)), \
             instance_override(model, "_get_running_beams_for_next_iteration", lambda o: _running_beams(model, o)), \
             instance_override(model, "_update_finished_beams", lambda o: _finished_beams(model, o)), \
             instance_override(model, "_check_early_stop_heuristic", lambda o: _early_stop(model, o)):
+        yield
+
+
+@contextlib.contextmanager
+def beam_decisions(model: nn.Module, sess: CSVSession) -> Iterator[None]:
+    """The checked beam bookkeeping for ``sess`` on ``model``, for the calls that run the exact beam plan only.
+
+    generate chooses the plan inside the call (``_get_logits_processor``, :mod:`hf_csv.transformers.scope`), so this
+    scope installs nothing itself: it sets ``sess.beam.install``, which scope calls once the plan is
+    :class:`~hf_csv.transformers.plans.ExactBeam`, and the four overrides stay until this scope exits (the call's end,
+    also after an exception; a beam search re-run on the full head keeps them and counts its steps). A call on any
+    other plan leaves transformers' beam helpers untouched."""
+    with contextlib.ExitStack() as stack:
+        def install() -> None:
+            sess.beam.install = None  # (once per call: Whisper's generate chooses a plan per segment)
+            stack.enter_context(_overrides(model))
+
+        sess.beam.install = install
         try:
             yield
         finally:
+            sess.beam.install = None
             sess.beam.step = sess.beam.state = None

@@ -35,10 +35,11 @@ from hf_csv.transformers.compat import SUPPORTED, adapts_confidence_threshold, s
 from hf_csv.core.certificate import CertStats
 from hf_csv.core.config import CSVConfig
 from hf_csv.core.errors import CSVError
-from hf_csv.transformers.session import CSVSession, find_head, full_head_reason, head_decline_reason, row_totals, summary_line
+from hf_csv.transformers.heads import find_head, head_decline_reason
+from hf_csv.transformers.session import CSVSession, full_head_reason, row_totals, summary_line
 from hf_csv.transformers.plans import Bounded, Full
 from hf_csv.transformers.processors import CSVLogitsProcessor, GumbelCoupledDraw
-from hf_csv.transformers.patches import instance_override
+from hf_csv.transformers.patches import instance_override, object_override
 from hf_csv.transformers.scope import certified, new_session
 from hf_csv.transformers.step import active_session
 
@@ -149,7 +150,7 @@ def _attach_draft_head(gen: Any, config: CSVConfig, main: CSVSession) -> None:
                                           approx=last["approx"])
         return out
 
-    gen.get_candidates = get_candidates
+    object_override(gen, "get_candidates", get_candidates)
 
 
 class DraftConfidenceStop:
@@ -206,7 +207,7 @@ def _full_head_without_drafts(gen: Any, sess: CSVSession) -> None:
             sess.assist.no_drafts = True  # stock samples from the target's row: the keyed draw makes it
         return ids, logits
 
-    gen.get_candidates = get_candidates
+    object_override(gen, "get_candidates", get_candidates)
 
 
 def _take_user_settings(sess: CSVSession) -> dict:

@@ -10,13 +10,14 @@ Use::
 ``generate`` (whose ``_validate_model_kwargs`` rejects unknown kwargs). Without
 ``csv_config`` it calls the class's ``generate`` directly: bitwise stock, modules untouched.
 ``install()`` does the same for every model by patching ``GenerationMixin.generate`` (and
-Whisper's override); ``uninstall()`` restores them.
+Whisper's override); ``uninstall()`` restores them. Both go through :func:`hf_csv.transformers.patches.pin`.
 
 During a certified call narrow, scoped, restoring patches are active for that model only
-(:mod:`hf_csv.transformers.scope`, docs/processors.md): the output head is swapped for :class:`hf_csv.transformers.step.CSVHead`;
+(:mod:`hf_csv.transformers.scope`, docs/processors.md; every touch point: :mod:`hf_csv.transformers.patches`): the
+output head is swapped for :class:`hf_csv.transformers.step.CSVHead`;
 instance-level ``_get_logits_processor`` / ``_get_stopping_criteria`` inspect what generate built,
 pick the certificate (:func:`hf_csv.transformers.policy.decide_mode`) and append a :class:`CSVLogitsProcessor`
-when needed. Modules import one way: generation -> candidate -> scope -> policy/processors -> head.
+when needed. Modules import one way: enable -> drafts -> scope -> policy/processors -> heads -> session -> step.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from hf_csv.transformers.beam import BeamUncertified, beam_decisions
 from hf_csv.transformers.drafts import patched_candidate_generator, user_assistant_settings
 from hf_csv.core.config import CSVConfig
 from hf_csv.core.errors import CSVError
-from hf_csv.transformers.session import CSVSession, find_head, forget_heads, model_out_dtype
+from hf_csv.transformers.heads import find_head, forget_heads, forget_kept_head, model_out_dtype
+from hf_csv.transformers.session import CSVSession
+from hf_csv.transformers.patches import pin, unpin
 from hf_csv.transformers.policy import classify_processor, decide_mode, whisper_log_prob_reason
 from hf_csv.transformers.scope import certified, new_session
 from hf_csv.transformers.whisper import threshold_of, whisper_decisions
@@ -261,10 +264,8 @@ def enable(model: nn.Module) -> nn.Module:
     """
     _version_reason()
     target = _head_owner(model)  # fail now for a model without an output head (a head hf_csv cannot certify is
-    # accepted: its calls run stock's head with the reason, hf_csv.transformers.session.head_decline_reason)
-    if getattr(target.__dict__.get("generate"), "_hf_csv", False):
-        return model
-    target.__dict__["generate"] = types.MethodType(_generate, target)
+    # accepted: its calls run stock's head with the reason, hf_csv.transformers.heads.head_decline_reason)
+    pin(target, "generate", types.MethodType(_generate, target))  # (a no-op where enabled already)
     return model
 
 
@@ -286,7 +287,7 @@ def _head_owner(model: nn.Module) -> nn.Module:
 def refresh(model: nn.Module) -> nn.Module:
     """Forget the cached screens of ``model``'s head. Needed only after writing its weights through
     ``.data`` (which bypasses the version counters the cache checks; peft's LoRA merge does), which the cache's
-    sampled row check (:class:`hf_csv.transformers.session.WeightProbe`) may not see; returns the model."""
+    sampled row check (:class:`hf_csv.transformers.heads.WeightProbe`) may not see; returns the model."""
     forget_heads(find_head(_head_owner(model))[1])
     return model
 
@@ -297,43 +298,44 @@ def disable(model: nn.Module) -> nn.Module:
         model = _head_owner(model)
     except CSVError:
         pass
-    if getattr(model.__dict__.get("generate"), "_hf_csv", False):
-        del model.__dict__["generate"]
-    model.__dict__.pop("_hf_csv_head", None)  # the head wrapper kept for compiled graphs (hf_csv.transformers.session.swapped_head)
+    unpin(model, "generate")
+    forget_kept_head(model)  # the head wrapper kept for compiled graphs (hf_csv.transformers.heads.swapped_head)
     return model
 
 
-_INSTALLED: list = []  # (owner class, original function)
+def _install_owners() -> tuple:
+    """The classes whose ``generate`` :func:`install` replaces."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    return GenerationMixin, WhisperGenerationMixin
 
 
 def install() -> None:
     """Global switch: every model's ``generate`` accepts ``csv_config`` (patches ``GenerationMixin.generate``
-    and ``WhisperGenerationMixin.generate``). Calls without ``csv_config`` run the original function."""
+    and ``WhisperGenerationMixin.generate``, through :func:`hf_csv.transformers.patches.pin`). Calls without
+    ``csv_config`` run the original function. Idempotent; undo with :func:`uninstall`."""
     _version_reason()
-    if _INSTALLED:
-        return
-    from transformers.generation.utils import GenerationMixin
-    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
-
-    for owner in (GenerationMixin, WhisperGenerationMixin):
+    for owner in _install_owners():
         orig = owner.__dict__["generate"]
+        if not getattr(orig, "_hf_csv", False):  # (else installed already)
+            pin(owner, "generate", _class_generate(orig))
 
-        def make(orig=orig):
-            @functools.wraps(orig)
-            def generate(self, *args: Any, csv_config: Optional[CSVConfig] = None, **kwargs: Any):
-                if csv_config is None:
-                    return orig(self, *args, **kwargs)
-                return csv_generate(self, functools.partial(orig, self), csv_config, args, kwargs)
 
-            generate._hf_csv = True
-            return generate
+def _class_generate(orig: Callable) -> Callable:
+    """A class's ``generate`` that accepts ``csv_config`` (see :func:`install`); without it ``orig``, unchanged."""
 
-        _INSTALLED.append((owner, orig))
-        owner.generate = make()
+    @functools.wraps(orig)
+    def generate(self, *args: Any, csv_config: Optional[CSVConfig] = None, **kwargs: Any):
+        if csv_config is None:
+            return orig(self, *args, **kwargs)
+        return csv_generate(self, functools.partial(orig, self), csv_config, args, kwargs)
+
+    generate._hf_csv = True
+    return generate
 
 
 def uninstall() -> None:
-    """Restore the functions :func:`install` patched."""
-    while _INSTALLED:
-        owner, orig = _INSTALLED.pop()
-        owner.generate = orig
+    """Restore the functions :func:`install` replaced."""
+    for owner in reversed(_install_owners()):
+        unpin(owner, "generate")

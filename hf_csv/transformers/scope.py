@@ -1,14 +1,17 @@
 """Scoped, restoring patches that make one certified call active on one model.
 
-* the per-call overrides go through :func:`hf_csv.transformers.patches.instance_override` (the list of every touch point and
-  the one mechanism that installs and restores them).
-* :func:`certified` — the head swap plus the ``_get_logits_processor`` / ``_get_stopping_criteria``
-  overrides (mode decision) and one pair of forward hooks per model that act on the session of the
-  calling context: the pre-hook records how many tokens the forward consumes (per-position
-  processor checks in assisted decoding), the post-hook runs the post-head guard.
+* every touch point is installed and restored by :mod:`hf_csv.transformers.patches` (the list of every touch point
+  and the one mechanism that installs and restores them); this module says which, for one call.
+* :func:`certified` — the head swap (:func:`hf_csv.transformers.heads.swapped_head`) plus the
+  ``_get_logits_processor`` / ``_get_stopping_criteria`` overrides (mode decision) and one pair of forward hooks per
+  model that act on the session of the calling context: the pre-hook records how many tokens the forward consumes
+  (per-position processor checks in assisted decoding), the post-hook runs the post-head guard. Where the plan
+  chosen is the exact beam plan, ``_get_logits_processor`` has the beam overrides installed for the rest of the
+  call (``sess.beam.install``, :func:`hf_csv.transformers.beam.beam_decisions`).
 * the ``_valid_auto_compile_criteria`` override: when transformers compiles the decode forward (static
   cache), the head traced into that graph is the static certified head or stock's
-  (:func:`hf_csv.transformers.policy.decide_compiled`, :func:`hf_csv.transformers.session.set_static_plan`); the hooks do nothing there.
+  (:func:`hf_csv.transformers.policy.decide_compiled`, :func:`hf_csv.transformers.heads.set_static_plan`); the hooks
+  do nothing there.
 * :func:`new_session` — a session for a model and config (head from the cache, dtype, post map).
 
 Per-call state lives in the :class:`~hf_csv.transformers.session.CSVSession` of the call, never on shared objects.
@@ -26,9 +29,11 @@ from hf_csv_kernels.quantize import NonFiniteWeightError
 from hf_csv.transformers.compat import cache_kwarg
 from hf_csv.core.certificate import CertStats
 from hf_csv.core.config import CSVConfig
-from hf_csv.transformers.session import CSVSession, find_head, head_decline_reason, head_entry, model_out_dtype, set_static_plan, swapped_head
-from hf_csv.transformers.patches import instance_override, shared
-from hf_csv.transformers.plans import Full
+from hf_csv.transformers.heads import (find_head, head_decline_reason, head_entry, model_out_dtype, set_static_plan,
+                                      swapped_head)
+from hf_csv.transformers.session import CSVSession
+from hf_csv.transformers.patches import forward_hooks, instance_override
+from hf_csv.transformers.plans import ExactBeam, Full
 from hf_csv.transformers.policy import check_stopping_criteria, decide_compiled, decide_mode
 from hf_csv.transformers.posthead import post_head_of
 from hf_csv.transformers.processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope, mask_once
@@ -37,13 +42,10 @@ from hf_csv.transformers.step import active_session, check_post, track_length
 
 __all__ = ["certified", "new_session"]
 
-_HOOKS: dict[int, list] = {}  # id(model) -> [undo, refcount]
-
-
 def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     """A session of ``config`` on ``model``: the cached certified head, the model dtype and the
     architecture's post-head map (a head hf_csv cannot certify, e.g. offloaded, wrapped or quantized, or an unknown
-    map: the call is declined, with a reason; hf_csv.transformers.session.head_decline_reason)."""
+    map: the call is declined, with a reason; hf_csv.transformers.heads.head_decline_reason)."""
     name, head = find_head(model)
     unfit = head_decline_reason(head, name)  # (before any weight is read: a wrapper's may be no tensor)
     post, why = post_head_of(model)
@@ -73,22 +75,11 @@ def new_session(model: nn.Module, config: CSVConfig) -> CSVSession:
     return sess
 
 
-def _hooks(model: nn.Module):
-    """One pre/post forward hook pair per model while any session is active on it."""
-
-    def install() -> Callable[[], None]:
-        handles = (model.register_forward_pre_hook(track_length, with_kwargs=True),
-                   model.register_forward_hook(check_post))
-        return lambda: [h.remove() for h in handles]
-
-    return shared(_HOOKS, id(model), install)
-
-
 @contextlib.contextmanager
 def certified(model: nn.Module, sess: CSVSession):
     """Make ``sess`` active for ``model`` in this context (head swap, mode decision, hooks). Restored on
     exit, also on exceptions; concurrent activations on one model are reference-counted."""
-    with binding_scope(), _hooks(model), \
+    with binding_scope(), forward_hooks(model, "forward hooks", track_length, check_post), \
             instance_override(model, "_get_logits_processor", lambda orig: _patched_get_logits_processor(model, orig)), \
             instance_override(model, "_get_stopping_criteria", lambda orig: _patched_get_stopping_criteria(model, orig)), \
             instance_override(model, "_valid_auto_compile_criteria", lambda orig: _patched_compile_criteria(model, orig)), \
@@ -131,6 +122,8 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         if sess.verify and not getattr(sess.head, "bounds_uncomputed", True):
             sess.set_full("the vocabulary-parallel head gives no per-row bound on uncomputed logits, which the check "
                           "after lowering processors or a post-head transform needs")
+        if isinstance(sess.plan, ExactBeam) and sess.beam.install is not None:
+            sess.beam.install()  # the beam overrides, for the calls that run this plan only (hf_csv.transformers.beam)
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
         if sess.verify or mine:
             # the check's place in the list (after the top-k warper in sampling, so that every later warper sees stock's vector; before min-p or

@@ -15,7 +15,7 @@
    or recomputes the row with stock's head.
 4. transformers picks the token (argmax or its sampler) from a row that is provably stock's.
 
-Which session a call runs is read from the calling context (:func:`active_session`; hf_csv.transformers.session.swapped_head sets
+Which session a call runs is read from the calling context (:func:`active_session`; hf_csv.transformers.heads.swapped_head sets
 it for the call's extent), so a stock call on the same model in another thread runs stock's head. Per-step state is
 the call's (:class:`hf_csv.transformers.session.CSVSession`: ``step``); the plan is a frozen value. Core: no transformers import.
 """
@@ -86,7 +86,7 @@ class StepState:
 
     fed_total: Optional[int] = None  # tokens consumed after the current forward (set by a pre-hook, hf_csv.transformers.scope)
     last: Optional[StepStash] = None  # the last certified head call, for the check step
-    last_out: Optional[torch.Tensor] = None  # what the head returned last (the post-head guard, hf_csv.transformers.session)
+    last_out: Optional[torch.Tensor] = None  # what the head returned last (the post-head guard, guard_post_head)
     # the speed guard's record of the last head call, completed with the check step's time of the same step
     # (hf_csv.core.speed): (guard, key, certified, seconds in the head) or None
     guard_pending: Optional[tuple] = None
@@ -102,7 +102,7 @@ class StepState:
 
 # ------------------------------------------------------------------ the step's entries from transformers
 # model id -> session, per context (thread / task). A dict so that an assistant model and the main model can both be
-# certified inside one call. Set by :func:`activated` (hf_csv.transformers.session.swapped_head) for the call's extent.
+# certified inside one call. Set by :func:`activated` (hf_csv.transformers.heads.swapped_head) for the call's extent.
 _ACTIVE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("hf_csv_active", default=None)
 
 
