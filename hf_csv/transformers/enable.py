@@ -15,8 +15,8 @@ Whisper's override); ``uninstall()`` restores them.
 During a certified call narrow, scoped, restoring patches are active for that model only
 (:mod:`hf_csv.transformers.scope`, docs/processors.md): the output head is swapped for :class:`hf_csv.transformers.step.CSVHead`;
 instance-level ``_get_logits_processor`` / ``_get_stopping_criteria`` inspect what generate built,
-pick the certificate (:func:`hf_csv.transformers.policy.decide_mode`) and append a :class:`CSVLogitsProcessor`
-when needed. Modules import one way: generation -> candidate -> scope -> policy/processors -> head.
+pick the certificate (:func:`hf_csv.transformers.decision.set_plan`) and append a :class:`CSVLogitsProcessor`
+when needed. Modules import one way: generation -> candidate -> scope -> decision/processors -> head.
 """
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ from hf_csv.transformers.drafts import patched_candidate_generator, user_assista
 from hf_csv.core.config import CSVConfig
 from hf_csv.core.errors import CSVError
 from hf_csv.transformers.session import CSVSession, find_head, forget_heads, model_out_dtype
-from hf_csv.transformers.policy import classify_processor, decide_mode, whisper_log_prob_reason
+from hf_csv.transformers.call_facts import whisper_log_prob_reason
+from hf_csv.transformers.decision import set_plan
+from hf_csv.transformers.processor_kinds import classify_processor
 from hf_csv.transformers.scope import certified, new_session
 from hf_csv.transformers.whisper import threshold_of, whisper_decisions
 
-__all__ = ["enable", "disable", "install", "uninstall", "refresh", "decide_mode", "classify_processor",
+__all__ = ["enable", "disable", "install", "uninstall", "refresh", "set_plan", "classify_processor",
            "csv_generate", "custom_generate"]
 
 
@@ -72,7 +74,7 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
         # one seed per call from torch's global generator: torch.manual_seed(s) reproduces the call's tokens
         sess.gumbel = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))
     # Whisper's thresholds and timestamps, set as kwargs, on a passed config or on the model's own
-    # (decide_mode checks the final config again for each segment's generate)
+    # (set_plan checks the final config again for each segment's generate)
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
     if reason and sess.force_full is None:
         sess.force_full = reason
@@ -104,7 +106,7 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
     from hf_csv.transformers.acceptance import patch_speculative_sampling
 
     if config.speculative == "gumbel" and sess.gumbel is None:  # prompt lookup: no assistant to couple with
-        return patch_speculative_sampling(mode="exact", session=sess)  # (the reason: hf_csv.transformers.policy)
+        return patch_speculative_sampling(mode="exact", session=sess)  # (the reason: hf_csv.transformers.decision)
     return patch_speculative_sampling(mode=config.speculative, session=sess)
 
 
