@@ -26,7 +26,8 @@ __all__ = ["choose_plan", "set_plan", "check_stopping_criteria", "choose_compile
 
 
 def choose_plan(facts: CallFacts) -> Decision:
-    """The plan of one call and its reasons, from its facts alone (no session, no logging). The steps, in order:
+    """The plan of one call and its reasons, from its facts alone: no session, no log line of its own (the facts'
+    two asked values may do work or warn: :class:`hf_csv.transformers.call_facts.CallFacts`). The steps, in order:
 
     1. The base plan (:func:`_base_plan`): the call-wide declines (a reason decided before generate, reduced fp32
        matmul precision, an unknown post-head map, raw logits or stock's scores returned, Whisper's token
@@ -56,7 +57,9 @@ def set_plan(session: CSVSession, generation_config: Any, processors: list) -> P
     once. Returns the plan."""
     d = choose_plan(gather_facts(session, generation_config, processors))
     session.whisper.steps = []
-    for lead, reason in d.said:  # each said as the session says a reason (its logger and format), in order
+    # each reason said once, in order, as the session says one (its logger and format): the list is emptied before
+    # each (a reason the values gate dropped is still said), then holds the reasons the decision keeps
+    for lead, reason in d.said:
         session.reasons.clear()
         session.note(reason, lead)
     session.reasons[:] = d.reasons

@@ -350,7 +350,7 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
 
 def call_guard(sess: Any) -> Any:
     """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call first asked:
-    the policy's decision or the first head step), or None."""
+    the plan choice or the first head step), or None."""
     st = sess.step
     if not st.guard_read:
         guard = None if sess.entry is None else sess.entry.guard
