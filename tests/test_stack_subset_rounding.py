@@ -335,7 +335,7 @@ def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkey
     a sampled compiled call keeps the full head (the reason says why)."""
     from types import SimpleNamespace
 
-    from hf_csv.transformers import policy
+    from hf_csv.transformers import decision
     from hf_csv.core.certificate import CertifiedHead
 
     monkeypatch.setattr(CertifiedHead, "subset_kernel", lambda self, probe=False: "blocked64")
@@ -354,7 +354,7 @@ def test_compiled_sampling_declines_where_only_the_blocked_kernel_matches(monkey
     plan = TopK(k=5, check_after=warper)
     sess = Sess(plan=plan, head=head, processors=[warper], whisper=SimpleNamespace(record=False),
                 post=SimpleNamespace(identity=True), assisted=False, draft=False)
-    assert policy.decide_compiled(sess) is None
+    assert decision.choose_compiled_plan(sess) is None
     assert "rounds gathered rows differently" in seen["why"]
 
 

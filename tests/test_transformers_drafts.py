@@ -228,7 +228,7 @@ def test_a_greedy_drafts_plan_follows_its_confidence_stop_and_the_probe(pair, mo
 
     target, draft = pair
     monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: exact)
-    plans, decide = [], scope.decide_mode
+    plans, decide = [], scope.set_plan
 
     def spy(sess, gc, procs):
         plan = decide(sess, gc, procs)
@@ -236,7 +236,7 @@ def test_a_greedy_drafts_plan_follows_its_confidence_stop_and_the_probe(pair, mo
             plans.append((plan, [type(p).__name__ for p in procs]))
         return plan
 
-    monkeypatch.setattr(scope, "decide_mode", spy)
+    monkeypatch.setattr(scope, "set_plan", spy)
     draft.generation_config.assistant_confidence_threshold = thr
     try:
         plain = target.generate(IDS, max_new_tokens=16, do_sample=False)
@@ -800,7 +800,7 @@ def _assisted_case(i: int) -> dict:
             "draft_head": rng.choice(["subvocab", "subvocab", "full"]),
             "strong_penalty": rng.random() < 0.15,
             # a setting that declines the target's call, which must then return stock's tokens too (its drafts and
-            # its verify stock's: hf_csv.transformers.policy._decide_draft, hf_csv.transformers.acceptance._dispatch)
+            # its verify stock's: hf_csv.transformers.method_plans._sampled_draft_plan, hf_csv.transformers.acceptance._dispatch)
             "decline": None if i < DECLINED_FROM else ("scores", "top_p_only", "sequence_bias")[i % 3]}
 
 

@@ -1,5 +1,5 @@
-"""hf_csv.transformers.plans: the plans end to end and the processor classification: exact sampling (``Sample``), min-p
-(``Threshold``, docs/certificates.md §3.3) and top-p without a top-k (``Nucleus``, §3.5) draw stock's tokens."""
+"""hf_csv.transformers.plans: the plans end to end: exact sampling (``Sample``), min-p (``Threshold``,
+docs/certificates.md §3.3) and top-p without a top-k (``Nucleus``, §3.5) draw stock's tokens."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,23 +8,11 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats as sps
-from transformers import LogitsProcessor
 
 import hf_csv
 from hf_csv import CSVConfig
-from hf_csv.transformers.enable import classify_processor
 
 from conftest import ALPHA, _ids, model_dir, tiny_llama, tokenizer
-
-
-def test_classify_custom_processor():
-    class Mine(LogitsProcessor):
-        def __call__(self, ids, s):
-            return s
-
-    assert classify_processor(Mine()) == "full"
-    Mine.csv_kind = "lower"
-    assert classify_processor(Mine()) == "lower"
 
 
 def test_sampling_distribution_exact():

@@ -351,7 +351,7 @@ class SpeedGuard:
 
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled
-        decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.transformers.policy)."""
+        decode, which cannot be timed per step, takes this verdict of the eager steps; hf_csv.transformers.decision)."""
         ctl = self._ctl
         with ctl._lock:
             st = self._state.get(key)

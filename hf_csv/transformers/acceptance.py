@@ -139,7 +139,7 @@ def speculative_sampling_certified(
     upper bound on every other token's logit, and rows are completed with the full head where the bounds
     do not decide. The law is that of :func:`speculative_sampling_exact` on the full rows.
 
-    Limits: the processors between head and verify must be temperature warpers only (hf_csv.transformers.policy picks the
+    Limits: the processors between head and verify must be temperature warpers only (hf_csv.transformers.method_plans picks the
     Bounded plan only then) and the post-head map the identity; batch size 1.
     """
     st = session.step.last
@@ -355,7 +355,7 @@ def _dispatch(
         # stock's rows on both sides, so stock's own verify draws stock's tokens from stock's random stream (hf_csv's
         # exact verify has the same law but other draws): a checked top-K plan's processed rows are stock's, and so
         # are the draft's on the same plan; a declined call's rows are stock's head's and its drafts are stock's
-        # (hf_csv.transformers.policy._decide_draft)
+        # (hf_csv.transformers.method_plans._sampled_draft_plan)
         valid, n = _dispatch.__hf_csv_original__(  # type: ignore[attr-defined]
             candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs)
     else:

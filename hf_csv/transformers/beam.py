@@ -121,7 +121,7 @@ def _top_k_continuations(model: nn.Module, orig: Callable) -> Callable:
         B, nb, K = int(kw["batch_size"]), int(kw["num_beams"]), int(kw["beams_to_keep"])
         if kw.get("do_sample") or args:
             raise CSVError("hf_csv: beam search helpers called in an unexpected way; please report this")
-        step, sess.beam.step = sess.beam.step, None  # a hf_csv.transformers.plans.BeamStep
+        step, sess.beam.step = sess.beam.step, None  # a hf_csv.transformers.whisper_beam_checks.BeamStep
         if step is None:
             raise CSVError("hf_csv: a certified beam step reached the top-k without its intervals; please report this")
         V = step.lo.shape[-1]

@@ -16,8 +16,8 @@ During a certified call narrow, scoped, restoring patches are active for that mo
 (:mod:`hf_csv.transformers.scope`, docs/processors.md; every touch point: :mod:`hf_csv.transformers.patches`): the
 output head is swapped for :class:`hf_csv.transformers.step.CSVHead`;
 instance-level ``_get_logits_processor`` / ``_get_stopping_criteria`` inspect what generate built,
-pick the certificate (:func:`hf_csv.transformers.policy.decide_mode`) and append a :class:`CSVLogitsProcessor`
-when needed. Modules import one way: enable -> drafts -> scope -> policy/processors -> heads -> session -> step.
+pick the certificate (:func:`hf_csv.transformers.decision.set_plan`) and append a :class:`CSVLogitsProcessor`
+when needed. Modules import one way: enable -> drafts -> scope -> decision/processors -> heads -> session -> step.
 """
 from __future__ import annotations
 
@@ -38,11 +38,13 @@ from hf_csv.core.errors import CSVError
 from hf_csv.transformers.heads import find_head, forget_heads, forget_kept_head, model_out_dtype
 from hf_csv.transformers.session import CSVSession
 from hf_csv.transformers.patches import pin, unpin
-from hf_csv.transformers.policy import classify_processor, decide_mode, whisper_log_prob_reason
+from hf_csv.transformers.call_facts import whisper_log_prob_reason
+from hf_csv.transformers.decision import set_plan
+from hf_csv.transformers.processor_kinds import classify_processor
 from hf_csv.transformers.scope import certified, new_session
 from hf_csv.transformers.whisper import threshold_of, whisper_decisions
 
-__all__ = ["enable", "disable", "install", "uninstall", "refresh", "decide_mode", "classify_processor",
+__all__ = ["enable", "disable", "install", "uninstall", "refresh", "set_plan", "classify_processor",
            "csv_generate", "custom_generate"]
 
 
@@ -75,7 +77,7 @@ def _make_session(model: nn.Module, config: CSVConfig, kwargs: dict) -> CSVSessi
         # one seed per call from torch's global generator: torch.manual_seed(s) reproduces the call's tokens
         sess.gumbel = KeyedGumbel(int(torch.randint(0, 2 ** 62, (1,))))
     # Whisper's thresholds and timestamps, set as kwargs, on a passed config or on the model's own
-    # (decide_mode checks the final config again for each segment's generate)
+    # (set_plan checks the final config again for each segment's generate)
     reason = whisper_log_prob_reason(gc, getattr(model, "generation_config", None), kwargs=kwargs)
     if reason and sess.force_full is None:
         sess.force_full = reason
@@ -107,7 +109,7 @@ def _verify_patch(sess: CSVSession, config: CSVConfig):
     from hf_csv.transformers.acceptance import patch_speculative_sampling
 
     if config.speculative == "gumbel" and sess.gumbel is None:  # prompt lookup: no assistant to couple with
-        return patch_speculative_sampling(mode="exact", session=sess)  # (the reason: hf_csv.transformers.policy)
+        return patch_speculative_sampling(mode="exact", session=sess)  # (the reason: hf_csv.transformers.decision)
     return patch_speculative_sampling(mode=config.speculative, session=sess)
 
 

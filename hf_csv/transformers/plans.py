@@ -4,9 +4,10 @@ A plan holds only its own parameters and knows its head call (:meth:`Plan.head`:
 :class:`hf_csv.core.certificate.CertifiedHead` computes a step's rows, and what the returned logits are), its check
 (:meth:`Plan.check`: the per-row proof of :mod:`hf_csv.core.checks` it runs after the processors, and the re-run of the
 rows it cannot prove) and where that check goes in the logits-processor list (:meth:`Plan.placement`).
-:func:`hf_csv.transformers.policy.decide_mode` picks one per call; :mod:`hf_csv.transformers.step` runs it, one step at a time. The
-processor-kind tables that the decision reads live here, in one place. Limits: the checks take float32 processed
-scores; every guarantee is the one of its docs/certificates.md section (below), for the dtypes stated there.
+:func:`hf_csv.transformers.decision.choose_plan` picks one per call; :mod:`hf_csv.transformers.step` runs it, one step
+at a time. The checks of stock's Whisper and beam rules live in :mod:`hf_csv.transformers.whisper_beam_checks`, the
+processor-kind tables in :mod:`hf_csv.transformers.processor_kinds`. Limits: the checks take float32 processed scores;
+every guarantee is the one of its docs/certificates.md section (below), for the dtypes stated there.
 
 | plan | certificate (docs/certificates.md) | returns | check after the processors |
 |---|---|---|---|
@@ -22,7 +23,6 @@ scores; every guarantee is the one of its docs/certificates.md section (below), 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
@@ -31,9 +31,11 @@ import torch
 from hf_csv.core import checks
 from hf_csv.core.certificate import value_interval
 from hf_csv.core.errors import CSVError
+from hf_csv.transformers.processor_kinds import orders, prefix
+from hf_csv.transformers.whisper_beam_checks import BeamStep, beam_logprob_box, record_lp, timestamp_unsure
 
 __all__ = ["Plan", "Full", "TopK", "Threshold", "Nucleus", "Bounded", "Sample", "ExactBeam", "Epsilon", "FULL",
-           "classify_processor", "inert", "masks_only", "classify_stopping_criterion", "SPEC_EPS", "BEAM_EPS"]
+           "SPEC_EPS", "BEAM_EPS", "one_hot_logits"]
 
 # Bounded plan (assisted sampling): S holds all but about this fraction of a row's mass (upper bound), so the verify's
 # interval for the normalizer is a few % wide and few accept/reject decisions need the full row. Speed only (the
@@ -46,13 +48,17 @@ BEAM_EPS = 1e-3
 
 @dataclass(frozen=True)
 class Plan:
-    """One call's certificate. ``verify``: a :class:`hf_csv.transformers.processors.CSVLogitsProcessor` checks each step after
-    the processors (and recomputes with stock's head the rows it cannot prove)."""
+    """One call's certificate. ``check_processed``: each step's processed scores are checked after the processors (a
+    :class:`hf_csv.transformers.processors.CSVLogitsProcessor` sits in the list and each head call stashes what the
+    check reads): :meth:`check` proves each row there and recomputes with stock's head the rows it cannot prove
+    (``checks_rows``), or, for :class:`Bounded`, hf_csv's verify reads the stashed bounds. ``False``: no check runs
+    after the processors (e.g. greedy top-1 with no lowering processor and an identity post-head map, the head's own
+    one-hot draw)."""
 
     name: ClassVar[str] = ""
-    # whether its check runs in the processor list (Bounded: hf_csv's verify reads its bounds instead)
+    # whether :meth:`check` runs in the processor list (Bounded: hf_csv's verify reads its bounds instead)
     checks_rows: ClassVar[bool] = True
-    verify: bool = False
+    check_processed: bool = False
 
     def check(self, c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor, last: Any,
               p: Optional[int]) -> torch.Tensor:
@@ -115,7 +121,7 @@ class TopK(Plan):
     confidence-stop threshold, whose decision the check proves on each row or gives the row stock's head (§3.11).
     A sampled draft without a top-k: ``fill_est`` gives the uncomputed tokens the screen's estimates.
     ``own_values``: the call proves every decision on the values within their slack and never hands them to stock's
-    code as stock's (hf_csv.transformers.policy sets it where no reason to read them exists), so
+    code as stock's (hf_csv.transformers.decision sets it where no reason to read them exists), so
     the head may compute them itself (``CertifiedHead.topk(own_values=True)``). ``stock_values``: the values on S
     are stock's bits, through the kernel the column-subset probe found for this head (docs/certificates.md §2.0,
     the premise every value-reading plan runs on): the confidence check then takes them as stock's; without it,
@@ -204,7 +210,7 @@ class Threshold(Plan):
     keeps exactly stock's tokens."""
 
     name: ClassVar[str] = "threshold"
-    verify: bool = True
+    check_processed: bool = True
     min_p: float = 0.0
     delta: float = 0.0
     delta_rel: float = 0.0
@@ -229,7 +235,7 @@ class Nucleus(Plan):
     mass outside, and an upper bound on every other token; the check takes the top-p warper's place."""
 
     name: ClassVar[str] = "nucleus"
-    verify: bool = True
+    check_processed: bool = True
     top_p_proc: Any = None
     eps: float = 0.05
     temperature: float = 1.0
@@ -278,7 +284,7 @@ class Bounded(Plan):
 
     name: ClassVar[str] = "spec"
     checks_rows: ClassVar[bool] = False
-    verify: bool = True
+    check_processed: bool = True
     temperature: float = 1.0
 
     def head(self, ch, H, sess, keys=None):
@@ -333,7 +339,7 @@ class ExactBeam(Plan):
     mass, so the normalizer's interval is ~``BEAM_EPS`` wide; ``k`` is how many top tokens a row must decide."""
 
     name: ClassVar[str] = "beam_exact"
-    verify: bool = True
+    check_processed: bool = True
     k: int = 2
 
     def head(self, ch, H, sess, keys=None):
@@ -413,45 +419,10 @@ def one_hot_logits(logits: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtyp
 
 # ------------------------------------------------------------------ what a check needs at its place in the list
 # (``c`` is the call's CSVLogitsProcessor: the processors before it are the ones the check runs through)
-@dataclass(frozen=True)
-class _Prefix:
-    """The processors a CSVLogitsProcessor follows in one call: all of them (``every``), the order-preserving ones
-    the bound ``ob`` runs through (``orders``), those a full-head re-run repeats (``runs``: not identity wrappers),
-    and whether all of them only mask (:func:`masks_only`)."""
-
-    owner: object
-    every: tuple
-    orders: tuple
-    runs: tuple
-    masks_only: bool
-
-
 def log_step(c: Any, rows: int, reruns: int) -> None:
     """One record of the check processor ``c`` (``CSVLogitsProcessor(record=True)``)."""
     if c.record:
         c.records.append({"rows": rows, "reruns": reruns})
-
-
-def prefix(c: Any, sess: Any) -> _Prefix:
-    """The processors before the check ``c`` in the call's list, sorted once per call (the list is fixed per call)."""
-    got = sess.check_prefix
-    if got is None or got.owner is not c:
-        every = []
-        for proc in sess.processors or ():
-            if proc is c:
-                break
-            every.append(proc)
-        ident = [getattr(proc, "csv_identity", False) or inert(proc, sess.input_len) for proc in every]
-        got = sess.check_prefix = _Prefix(
-            owner=c, every=tuple(every),
-            orders=tuple(p for p, i in zip(every, ident) if not i and classify_processor(p) == "order"),
-            runs=tuple(p for p, i in zip(every, ident) if not i), masks_only=masks_only(every))
-    return got
-
-
-def orders(c: Any, sess: Any) -> tuple:
-    """The order-preserving processors before the check ``c`` (e.g. temperature), which bounds run through."""
-    return prefix(c, sess).orders
 
 
 def outside_bound(c: Any, input_ids: torch.Tensor, sess: Any, last, p: int) -> torch.Tensor:
@@ -481,7 +452,7 @@ def processed_interval(c: Any, input_ids, sess, last, p, scores: Optional[torch.
     """(f(lo), f(hi)) fp32 [B, V]: the processors before this one applied to the bounds of stock's values at
     position ``p`` (hf_csv.core.certificate.value_interval); each token's processed score lies between them.
 
-    Where every processor before this one only masks (:func:`hf_csv.transformers.plans.masks_only`: each token's output is
+    Where every processor before this one only masks (:func:`hf_csv.transformers.processor_kinds.masks_only`: each token's output is
     its input or −inf, the set chosen from ``input_ids`` alone) or returns its input, f is one mask M, read off
     this step's processed ``scores`` = f(raw): on a finite raw value, M holds the token iff its score is −inf
     (where raw is −inf so are lo and hi). Then f(x) = where(M, −inf, x) on lo and hi, without running the
@@ -534,212 +505,3 @@ def rerun(c: Any, input_ids, scores, sess, last, p, bad):
     for proc in prefix(c, sess).runs:  # (not a no-speech detector's forward: once is enough)
         new = proc(input_ids, new)
     return new
-
-
-# ------------------------------------------------------------------ the checks' Whisper and beam pieces
-def timestamp_unsure(sess: Any, proc: Any, input_ids: torch.Tensor, x: torch.Tensor, ob: torch.Tensor,
-                     computed: torch.Tensor) -> tuple:
-    """Rows where Whisper's timestamp processor, run next on this vector, might not give stock's argmax
-    (:func:`hf_csv.core.checks.timestamp_decision`, docs/certificates.md §3.4).
-
-    The processor (a) masks tokens by rules that read only ``input_ids`` and (b), after them, masks all text
-    tokens when logsumexp(timestamps) > max(text) in log-probabilities. Its masks are read by running it on a
-    probe on which (b) cannot fire unless the text is already all masked."""
-    tb = int(proc.timestamp_begin)
-    probe = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    probe[:, tb:] = -1e4
-    M = proc(input_ids, probe) == float("-inf")
-    xm = x.double().masked_fill(M, float("-inf"))
-    alive = (~computed & ~M).any(1)
-    ok, ts_won = checks.timestamp_decision(xm, tb, ob, alive, getattr(proc, "_detect_timestamp_from_logprob", True))
-    st = sess.reports.setdefault("timestamps", {"rows": 0, "equal_after_rules": 0, "timestamp_decided": 0,
-                                              "text_decided": 0, "rows_rerun": 0})
-    n = int(x.shape[0])
-    st["rows"] += n
-    st["equal_after_rules"] += int((~alive).sum())
-    st["timestamp_decided"] += int((alive & ok & ts_won).sum())
-    st["text_decided"] += int((alive & ok & ~ts_won).sum())
-    st["rows_rerun"] += int((~ok).sum())
-    # for the avg-logprob record: the rule masks, and the rows whose text the logsumexp rule masks (in stock too)
-    return ~ok, (M, ts_won)
-
-
-
-@dataclass
-class BeamStep:
-    """One beam step's processed log-probs as intervals (the ExactBeam plan; read by hf_csv.transformers.beam).
-
-    ``lo`` <= stock's value <= ``hi`` on every token the head computed (float32, [N, V]); ``rep`` (what stock's own
-    bookkeeping receives) lies inside; every other token's stock value is <= ``ob`` ([N], -inf on complete rows)."""
-
-    lo: torch.Tensor
-    hi: torch.Tensor
-    rep: torch.Tensor
-    ob: torch.Tensor
-    subvocab: bool = True  # some row is a sub-vocabulary row (False: every row is stock's, the step is exact)
-
-
-def beam_logprob_box(sess: Any, input_ids: torch.Tensor, last: Any, p: int, stop: Any = None):
-    """(lo [N, V], hi [N, V], ob [N]) for one beam step (docs/certificates.md §3.10): the interval of stock's
-    log_softmax (:func:`hf_csv.core.checks.logprob_box`), then the processors. Those allowed here (hf_csv.transformers.policy) act
-    token by token, monotone and never raising, so running them on the lo row and on the hi row brackets stock's
-    processed value, and ``ob`` stays a bound on every token outside S."""
-    lo, hi, ob = checks.logprob_box(last.logits[:, p], last.mask[:, p],
-                                    checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype))
-    for proc in sess.processors or ():
-        if proc is stop:
-            break
-        if not (getattr(proc, "csv_check", False) or getattr(proc, "csv_identity", False)):
-            lo, hi = proc(input_ids, lo), proc(input_ids, hi)
-    return lo, hi, ob
-
-
-def record_lp(sess: Any, input_ids: torch.Tensor, out: Optional[torch.Tensor], last, p: int,
-               exact: Optional[torch.Tensor], ts=None) -> None:
-    """One greedy step of a Whisper round with ``logprob_threshold`` (read by hf_csv.transformers.whisper): per row, an upper
-    bound on the mass stock's kept score row has outside S (log R, absolute), a bound on its float32 summation
-    error (log C, absolute), the hidden states (to replay the stock head where the decision needs it) and the input
-    ids. Rows whose kept row is stock's own (full head, re-run) are marked exact."""
-    if out is None:  # the head call used the full head: the kept rows are stock's
-        sess.whisper.steps.append({"exact_all": True, "ids": input_ids})
-        return
-    B = out.shape[0]
-    S = last.mask[:, p]
-    up = checks.raise_by_dtype(last.upper[:, p].double(), sess.out_dtype)
-    x = out.double()
-    outside = ~S
-    if ts is not None:
-        M, text_masked = ts
-        outside = outside & ~M
-        outside[text_masked] = False  # stock's logsumexp rule masks all text on these rows too (certified)
-    logR = torch.logsumexp(torch.where(outside, up, torch.full_like(up, float("-inf"))), 1)
-    m, _, _, C = checks.normalizer_terms(x, up, outside)
-    ex = exact.clone() if exact is not None else torch.zeros(B, dtype=torch.bool, device=out.device)
-    ex |= S.all(1)
-    sess.whisper.steps.append({"exact_all": False, "ids": input_ids, "H": last.H[:, p].detach().clone(),
-                          "logR": logR.cpu(), "logC": (torch.log(C) + m).cpu(), "exact": ex.cpu()})
-
-
-# ------------------------------------------------------------------ how each processor relates to a certificate
-# (docs/processors.md has the table)
-#   order: the same increasing map on every token (commutes with any certificate)
-#   topk:  keeps the K largest (exact with a top-K certificate, K known)
-#   lower: lowers (or sets to constants) particular tokens; commutes with top-k after a check
-#   norm:  depends on the whole distribution (top-p, min-p, typical, ...): ε-certificate or full
-#   timestamps: Whisper's timestamp rules and its logsumexp decision (greedy: checked right before it)
-#   full:  may raise uncomputed tokens or reads all logits: full head
-# the order-preserving processors whose effect on the sampling law the head's own draw (Sample) reproduces:
-# temperature is one of its warps; InfNanRemove changes no finite score
-LAW_ORDERS = frozenset({"TemperatureLogitsWarper", "InfNanRemoveLogitsProcessor"})
-
-KIND = {
-    "TemperatureLogitsWarper": "order",
-    "InfNanRemoveLogitsProcessor": "order",
-    "TopKLogitsWarper": "topk",
-    "MinLengthLogitsProcessor": "lower",
-    "MinNewTokensLengthLogitsProcessor": "lower",
-    "NoRepeatNGramLogitsProcessor": "lower",
-    "EncoderNoRepeatNGramLogitsProcessor": "lower",
-    "NoBadWordsLogitsProcessor": "lower",
-    "PrefixConstrainedLogitsProcessor": "lower",
-    "ForcedBOSTokenLogitsProcessor": "lower",
-    "ForcedEOSTokenLogitsProcessor": "lower",
-    "SuppressTokensLogitsProcessor": "lower",
-    "SuppressTokensAtBeginLogitsProcessor": "lower",
-    "HammingDiversityLogitsProcessor": "lower",
-    "LogitNormalization": "norm",
-    "TopPLogitsWarper": "norm",
-    "TopHLogitsWarper": "norm",
-    "MinPLogitsWarper": "norm",
-    "TypicalLogitsWarper": "norm",
-    "EpsilonLogitsWarper": "norm",
-    "EtaLogitsWarper": "norm",
-    "EncoderRepetitionPenaltyLogitsProcessor": "full",
-    "ExponentialDecayLengthPenalty": "full",
-    "ClassifierFreeGuidanceLogitsProcessor": "full",
-    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "full",
-    "WatermarkLogitsProcessor": "full",
-    "SynthIDTextWatermarkLogitsProcessor": "full",
-    "WhisperTimeStampLogitsProcessor": "timestamps",
-    "WhisperNoSpeechDetection": "full",
-    "BarkEosPrioritizerLogitsProcessor": "full",
-    "AlternatingCodebooksLogitsProcessor": "full",
-}
-
-# "lower" processors that only mask: each token's output is its input unchanged or -inf, the masked set chosen from
-# input_ids (and the processor's settings) alone, never from the scores (transformers 4.57 and 5.20-5.24: torch.where /
-# masked_fill with -inf). A custom processor may declare ``csv_masks_only = True`` (a promise of exactly that).
-MASKS_ONLY = frozenset({"SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
-                        "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
-                        "NoRepeatNGramLogitsProcessor"})
-
-# Stock stopping criteria that never read ``scores`` (transformers 5.23 and 5.24): safe with any certificate.
-SAFE_CRITERIA = frozenset({"MaxLengthCriteria", "MaxTimeCriteria", "StopStringCriteria", "EosTokenCriteria"})
-
-# Processors token-identical beam search runs with (docs/certificates.md §3.10): each maps a token's score through a
-# non-decreasing function of that score alone (given the input ids) and never raises it, so hf_csv can run them on
-# the ends of an interval. Named here, not by kind: a custom "lower" processor promises less than that.
-BEAM_PROCESSORS = frozenset({
-    "RepetitionPenaltyLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor", "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor",
-    "NoBadWordsLogitsProcessor", "PrefixConstrainedLogitsProcessor", "SuppressTokensLogitsProcessor",
-    "SuppressTokensAtBeginLogitsProcessor"})
-
-
-def classify_processor(p: Any) -> str:
-    """``order`` | ``topk`` | ``lower`` | ``norm`` | ``timestamps`` | ``full`` | ``csv`` for one logits processor.
-
-    Custom processors may declare ``csv_kind`` (one of the above) to opt in; unknown ones are
-    ``full`` (they might raise an uncomputed token).
-    """
-    kind = getattr(p, "csv_kind", None)
-    if kind in ("order", "topk", "lower", "norm", "full", "csv"):
-        return kind
-    name = type(p).__name__
-    if name == "RepetitionPenaltyLogitsProcessor":
-        # penalty >= 1 lowers the scores of seen tokens; < 1 raises them
-        return "lower" if float(getattr(p, "penalty", 1.0)) >= 1.0 else "full"
-    if name == "SequenceBiasLogitsProcessor":
-        bias = getattr(p, "sequence_bias", None) or {}
-        vals = bias.values() if isinstance(bias, dict) else [v for _, v in bias]
-        return "lower" if all(float(v) <= 0 for v in vals) else "full"
-    if name == "WhisperNoSpeechDetection":
-        # it returns the scores unchanged; what it reads (its own forward's logits, or the first step's scores) is
-        # given to it as stock computes it (hf_csv.transformers.processors.FullHeadDuring)
-        return "order" if not getattr(p, "is_scores_logprobs", False) else "full"
-    if name == "TopKLogitsWarper" and getattr(p, "filter_value", -math.inf) != -math.inf:
-        return "full"  # a finite filter value leaves the filtered tokens some mass
-    return KIND.get(name, "full")
-
-
-def inert(p: Any, input_len: Optional[int]) -> bool:
-    """Whether stock's processor ``p`` returns its input unchanged at every step of a call whose sequences start at
-    ``input_len`` tokens (they only grow; None: unknown): a minimum length already reached. transformers gives every
-    assistant call ``min_new_tokens=0``, which becomes a ``MinLengthLogitsProcessor`` at the input length (it masks
-    EOS only while ``input_ids.shape[-1] < min_length``, 4.57 and 5.x). Such a processor lowers nothing in the call."""
-    name = type(p).__name__
-    if name == "MinLengthLogitsProcessor" and input_len is not None:
-        return int(getattr(p, "min_length", 1 << 62)) <= input_len
-    if name == "MinNewTokensLengthLogitsProcessor":  # masks while (length − prompt) < min_new_tokens
-        return int(getattr(p, "min_new_tokens", 1)) <= 0
-    return False
-
-
-def masks_only(processors: Any) -> bool:
-    """Whether the composition of ``processors`` maps each token's score to itself or to −inf, the set fixed by the
-    inputs alone (so it is read off any one processed row): every one is a masking processor (``MASKS_ONLY``, or
-    declares ``csv_masks_only = True``) or returns its input unchanged (``csv_identity``)."""
-    return all(getattr(p, "csv_identity", False) is True or getattr(p, "csv_masks_only", False) is True
-               or (type(p).__name__ in MASKS_ONLY and classify_processor(p) == "lower") for p in processors)
-
-
-def classify_stopping_criterion(c: Any) -> str:
-    """``safe`` (never reads ``scores``) or ``full`` (may read them: the call uses the full head).
-
-    A custom criterion can declare ``csv_safe = True`` (a promise that it ignores ``scores``).
-    ``ConfidenceCriteria`` (assisted drafting) reads the drafted token's probability; the draft head
-    provides it (hf_csv.transformers.drafts), so it is safe only inside a draft session.
-    """
-    if getattr(c, "csv_safe", False) is True:
-        return "safe"
-    return "safe" if type(c).__name__ in SAFE_CRITERIA else "full"

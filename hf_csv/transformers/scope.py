@@ -10,7 +10,7 @@
   call (``sess.beam.install``, :func:`hf_csv.transformers.beam.beam_decisions`).
 * the ``_valid_auto_compile_criteria`` override: when transformers compiles the decode forward (static
   cache), the head traced into that graph is the static certified head or stock's
-  (:func:`hf_csv.transformers.policy.decide_compiled`, :func:`hf_csv.transformers.heads.set_static_plan`); the hooks
+  (:func:`hf_csv.transformers.decision.choose_compiled_plan`, :func:`hf_csv.transformers.heads.set_static_plan`); the hooks
   do nothing there.
 * :func:`new_session` — a session for a model and config (head from the cache, dtype, post map).
 
@@ -34,7 +34,7 @@ from hf_csv.transformers.heads import (find_head, head_decline_reason, head_entr
 from hf_csv.transformers.session import CSVSession
 from hf_csv.transformers.patches import forward_hooks, instance_override
 from hf_csv.transformers.plans import ExactBeam, Full
-from hf_csv.transformers.policy import check_stopping_criteria, decide_compiled, decide_mode
+from hf_csv.transformers.decision import check_stopping_criteria, choose_compiled_plan, set_plan
 from hf_csv.transformers.posthead import post_head_of
 from hf_csv.transformers.processors import CSVLogitsProcessor, FullHeadDuring, GumbelCoupledDraw, binding_scope, mask_once
 from hf_csv.core.speed import cuda_reason
@@ -111,7 +111,7 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
         others = [p for p in procs if not isinstance(p, CSVLogitsProcessor)]
         if sess.draft and sess.gumbel is not None and getattr(gc, "do_sample", False):
             others = _once_each_warper(others)
-        plan = decide_mode(sess, gc, others)
+        plan = set_plan(sess, gc, others)
         if not isinstance(plan, Full):
             # Whisper's no-speech detection reads stock's logits (its own forward on the stock head, or stock's row)
             # and Whisper's suppress-token mask built once per call instead of at every position (the same scores)
@@ -119,13 +119,13 @@ def _patched_get_logits_processor(model: nn.Module, orig: Callable) -> Callable:
                       else mask_once(p) if type(p).__name__ == "SuppressTokensLogitsProcessor" else p for p in others]
         if not plan.supported_by(sess.head):
             sess.set_full(f"the vocabulary-parallel head certifies {sorted(sess.head.modes)} only, not {plan.name!r}")
-        if sess.verify and not getattr(sess.head, "bounds_uncomputed", True):
+        if sess.check_processed and not getattr(sess.head, "bounds_uncomputed", True):
             sess.set_full("the vocabulary-parallel head gives no per-row bound on uncomputed logits, which the check "
                           "after lowering processors or a post-head transform needs")
         if isinstance(sess.plan, ExactBeam) and sess.beam.install is not None:
             sess.beam.install()  # the beam overrides, for the calls that run this plan only (hf_csv.transformers.beam)
         verifier = (mine[-1] if mine else CSVLogitsProcessor()).bind(sess)
-        if sess.verify or mine:
+        if sess.check_processed or mine:
             # the check's place in the list (after the top-k warper in sampling, so that every later warper sees stock's vector; before min-p or
             # Whisper's timestamp rule; in the top-p warper's place, which it calls where needed: hf_csv.transformers.plans)
             at, skip = sess.plan.placement(others)
@@ -173,8 +173,8 @@ def _patched_compile_criteria(model: nn.Module, orig: Callable) -> Callable:
         res = orig(*args, **kwargs)
         if res:
             sess = active_session(model)
-            plan = None if sess is None else decide_compiled(sess, _batch_of(args, kwargs),
-                                                             gemm_reason=_graph_gemm_reason(args, kwargs))
+            plan = None if sess is None else choose_compiled_plan(sess, _batch_of(args, kwargs),
+                                                                  gemm_reason=_graph_gemm_reason(args, kwargs))
             installed = set_static_plan(model, plan, own=sess is not None)
             if sess is not None and plan is not None and not installed:
                 sess.set_full("torch.compile (static cache) while another generate call is active on this model: "

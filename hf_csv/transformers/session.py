@@ -32,7 +32,7 @@ class WhisperRecord:
     scores_internal: bool = False  # the scores generate keeps feed only the avg-logprob decision, which hf_csv certifies
     threshold: Optional[float] = None  # the logprob_threshold certified
     record: bool = False  # the check records each greedy step's normalizer bounds ...
-    steps: list = field(default_factory=list)  # ... here (hf_csv.transformers.plans.record_lp)
+    steps: list = field(default_factory=list)  # ... here (hf_csv.transformers.whisper_beam_checks.record_lp)
     index: Optional[int] = None  # the batch row Whisper's _need_fallback decides
 
 
@@ -40,7 +40,7 @@ class WhisperRecord:
 class BeamRecord:
     """Token-identical beam search in one call (hf_csv.transformers.beam, docs/certificates.md §3.10)."""
 
-    step: Any = None  # this step's processed log-prob intervals (hf_csv.transformers.plans.BeamStep)
+    step: Any = None  # this step's processed log-prob intervals (hf_csv.transformers.whisper_beam_checks.BeamStep)
     state: Any = None  # the intervals of stock's beam bookkeeping (hf_csv.transformers.beam)
     restart: Optional[str] = None  # why the call re-ran its beam search on the full head
     # installs the beam overrides for the rest of the call once its plan is ExactBeam (set by
@@ -57,7 +57,7 @@ class AssistRecord:
     no_drafts: bool = False  # target: a round without drafts, stock samples from the row (the keyed draw makes it)
     user_settings: Optional[dict] = None  # the caller's assistant settings, applied to the candidate generator
     # a draft session whose target call was declined (the target's reason): its drafts must be stock's draft's, so
-    # that the declined call returns stock's tokens (hf_csv.transformers.policy._decide_draft)
+    # that the declined call returns stock's tokens (hf_csv.transformers.method_plans._sampled_draft_plan)
     stock_drafts: Optional[str] = None
     # a draft session whose returned rows stock reads whole (why: stock's ROC adaptation of the confidence threshold,
     # hf_csv.transformers.compat.adapts_confidence_threshold): only a plan whose processed rows are stock's bits keeps certified
@@ -66,7 +66,7 @@ class AssistRecord:
 
 @dataclass
 class CompiledRecord:
-    """A compiled static-cache decode in one call (hf_csv.transformers.scope, hf_csv.transformers.policy.decide_compiled)."""
+    """A compiled static-cache decode in one call (hf_csv.transformers.scope, hf_csv.transformers.decision.choose_compiled_plan)."""
 
     start: Optional[tuple] = None  # (the static plan, its counters) when the compiled decode started
     stock: bool = False  # the graph runs stock's head (the speed guard's choice)
@@ -84,7 +84,7 @@ class CSVSession:
     post: Optional[PostHead] = None  # the architecture's post-head map (None: unknown, full head)
     # the head's per-weight entry (guard, static heads; hf_csv.transformers.heads.HeadEntry), None where ``head`` is
     entry: Optional["HeadEntry"] = None
-    plan: Plan = FULL  # the call's certificate (hf_csv.transformers.plans), chosen by hf_csv.transformers.policy.decide_mode
+    plan: Plan = FULL  # the call's certificate (hf_csv.transformers.plans), chosen by hf_csv.transformers.decision.set_plan
     step: StepState = field(default_factory=lambda: StepState())  # what one step hands to the next part of it
     reasons: list = field(default_factory=list)
     stats: CertStats = field(default_factory=CertStats)
@@ -107,7 +107,7 @@ class CSVSession:
     caller_cache: bool = False  # the caller passed its own KV cache (``past_key_values``, or 5.24's ``cache``)
     cache_kwarg: str = "past_key_values"  # the model forward's KV-cache keyword on this version (hf_csv.transformers.compat)
     own_draw: bool = False  # Gumbel-coupled sampling: the head's own draw where stock's values on S cannot be had
-    check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.transformers.processors._Prefix)
+    check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.transformers.processor_kinds.prefix)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the call's noise per token index
     # (hf_csv.core.speculative.KeyedGumbel), shared by the target's session and its draft sessions
@@ -120,9 +120,9 @@ class CSVSession:
         return self.plan.name
 
     @property
-    def verify(self) -> bool:
+    def check_processed(self) -> bool:
         """Whether a CSVLogitsProcessor checks each step of this call after the processors."""
-        return self.plan.verify
+        return self.plan.check_processed
 
     def note(self, reason: str, what: str = "") -> None:
         """Record a reason once per call and log it (transformers logging)."""

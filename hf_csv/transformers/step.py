@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from hf_csv.core.errors import CSVError
-from hf_csv.transformers.plans import Bounded, ExactBeam, Full, Nucleus, Sample, record_lp
+from hf_csv.transformers.plans import Bounded, ExactBeam, Full, Nucleus, Sample
+from hf_csv.transformers.whisper_beam_checks import record_lp
 from hf_csv.transformers.posthead import check_output
 from hf_csv.core.speed import rows_bucket
 
@@ -221,7 +222,7 @@ def _full(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     """This head call uses stock's head (counted); the check then has nothing to check."""
     sess.full_calls += 1
     sess.declined_rows += hidden.numel() // hidden.shape[-1] if hidden.numel() else 0
-    if sess.verify:
+    if sess.check_processed:
         sess.step.last = None
     sess.step.last_out = None
     return inner(hidden)
@@ -234,7 +235,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     sess.head_calls += 1
     plan = sess.plan
     if isinstance(plan, Full) or hidden.numel() == 0 or (
-            plan.verify and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.step.fed_total is None):
+            plan.check_processed and hidden.dim() == 3 and hidden.shape[1] > 1 and sess.step.fed_total is None):
         # (the last case: several positions whose token index is unknown, e.g. inputs_embeds; the check could
         # not find its row)
         return _full(sess, inner, hidden)
@@ -286,7 +287,7 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
         sess.stats.merge(res.stats)
     out = out.view(*lead, out.shape[-1])
     sess.step.last_out = out
-    if plan.verify:
+    if plan.check_processed:
         sess.step.last = _stash(res, hidden, H, out, sess.step.fed_total)
         sess.step.spec_pending = isinstance(plan, Bounded)
     if settled:
@@ -321,7 +322,7 @@ def check_step(c: Any, sess: Any, input_ids: torch.Tensor, scores: torch.Tensor)
         return scores
     if sess.compiled.stock and c.compiled_step(sess, input_ids, stock=True):
         return scores  # stock's head ran in the graph (the speed guard's choice): stock's row, nothing to check
-    if not plan.verify or not plan.checks_rows:
+    if not plan.check_processed or not plan.checks_rows:
         return scores
     last = sess.step.last
     if last is None and not isinstance(plan, ExactBeam):
@@ -349,7 +350,7 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
 
 def call_guard(sess: Any) -> Any:
     """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call first asked:
-    the policy's decision or the first head step), or None."""
+    the plan choice or the first head step), or None."""
     st = sess.step
     if not st.guard_read:
         guard = None if sess.entry is None else sess.entry.guard
@@ -371,13 +372,13 @@ def guard_key(sess: Any, rows: int) -> tuple:
 def _guard_record(sess: Any, guard: Any, gkey: tuple, certified: bool, seconds: float, hidden: torch.Tensor) -> None:
     """Record a head call's time with the speed guard, or leave it for the step's check to complete.
 
-    When a check runs after a one-position head call (``plan.verify``, not assisted), the step's cost of each side
+    When a check runs after a one-position head call (``plan.check_processed``, not assisted), the step's cost of each side
     includes what the check does for it: the certificate's check on a certified row, stock's warper on a full one
     (the Nucleus check replaces stock's top-p warper and its sort over V). The
     guard then compares whole steps, not head calls (hf_csv.core.speed)."""
     sess.step.guard_pending = (guard, gkey, certified, seconds)
     one = hidden.dim() < 3 or hidden.shape[-2] == 1
-    if not (sess.verify and one and not (sess.assisted or sess.draft)):
+    if not (sess.check_processed and one and not (sess.assisted or sess.draft)):
         flush_guard(sess)  # no check step completes this one: record the head call alone
 
 

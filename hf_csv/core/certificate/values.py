@@ -142,8 +142,8 @@ class HeadValues(SubsetProbes):
                 out = subset(Hn, cols)
             else:
                 with caller_threads():  # stock's op as the caller runs it, by the kernel the probe found (if any)
-                    # a plan that hands these values to stock's code was chosen on a probe that matched (policy
-                    # probes before it picks one); then this setting and row count are probed too (a setting first
+                    # a plan that hands these values to stock's code was chosen on a probe that matched (the
+                    # plan choice probes before it picks one); then this setting and row count are probed too (a setting first
                     # met here, e.g. a thread count changed inside the call, is probed now, not assumed)
                     relied = any(v is not None for v in self._subset_probe.values())
                     # the probes multiply fresh, contiguous h; a strided or offset h (a prefill step's last

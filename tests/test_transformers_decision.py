@@ -1,13 +1,21 @@
-"""hf_csv.transformers.policy: which certificate a ``generate`` call gets (``decide_mode``), and the calls it declines with a
+"""hf_csv.transformers.decision: which certificate a ``generate`` call gets (``set_plan``), and the calls it declines with a
 logged reason (processors, warpers, stopping criteria, assisted sampling without a certificate)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import (GenerationConfig, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper)
 
 import hf_csv
 from hf_csv import CSVConfig
+from hf_csv.transformers.call_facts import gather_facts
+from hf_csv.transformers.decision import choose_plan
+from hf_csv.transformers.plans import Full, Sample
+from hf_csv.transformers.posthead import PostHead
+from hf_csv.transformers.session import CSVSession
 from conftest import ALPHA, _ids, spec_llama, tiny_llama
 
 
@@ -115,7 +123,7 @@ def test_prompt_lookup_sampling_never_uses_spec(spec_pair):
 
 
 def test_beam_notice_is_a_transformers_log_record_the_user_can_filter(caplog):
-    """The beam-search notice goes through transformers' logging (logger ``transformers.hf_csv.transformers.policy``), so
+    """The beam-search notice goes through transformers' logging (logger ``transformers.hf_csv.transformers.decision``), so
     transformers' verbosity applies: ``set_verbosity_error()`` silences it. Under the old ``hf_csv`` logger it
     ignored that and reached stderr through Python's last-resort handler as a bare line."""
     import logging
@@ -139,7 +147,7 @@ def test_beam_notice_is_a_transformers_log_record_the_user_can_filter(caplog):
     try:
         tlogging.set_verbosity_warning()
         got = notices()
-        assert len(got) == 1 and got[0].name == "transformers.hf_csv.transformers.policy" and got[0].levelno == logging.WARNING
+        assert len(got) == 1 and got[0].name == "transformers.hf_csv.transformers.decision" and got[0].levelno == logging.WARNING
         tlogging.set_verbosity_error()
         assert notices() == []
         tlogging.set_verbosity_warning()
@@ -332,7 +340,7 @@ def test_masks_only_recognises_exactly_the_masking_processors():
                               RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
                               TemperatureLogitsWarper)
 
-    from hf_csv.transformers.policy import masks_only
+    from hf_csv.transformers.processor_kinds import masks_only
 
     sup = SuppressTokensLogitsProcessor([5, 7])
     assert masks_only([sup, NoRepeatNGramLogitsProcessor(2), MinNewTokensLengthLogitsProcessor(3, 2, 2)])
@@ -348,3 +356,50 @@ def test_masks_only_recognises_exactly_the_masking_processors():
 
     assert not masks_only([Mine([1])])
     assert masks_only([Declared()])
+
+
+# ------------------------------------------------------------------ choose_plan on hand-built facts (pure)
+class _Head:
+    weight, vocab_size = torch.zeros(2, 2, dtype=torch.bfloat16), 1000
+
+    def subset_exact(self):
+        return True
+
+
+def _facts(*processors, config=None, **kw):
+    """The facts of a plain call on a bf16 head with ``processors``, then ``kw`` set."""
+    sess = CSVSession(model=None, config=config or CSVConfig(), head=_Head(), out_dtype=torch.bfloat16,
+                      post=PostHead())
+    return dataclasses.replace(gather_facts(sess, GenerationConfig(), list(processors)), **kw)
+
+
+def test_choose_plan_is_the_same_decision_for_the_same_facts():
+    f = _facts(TopKLogitsWarper(20), do_sample=True)
+    assert choose_plan(f) == choose_plan(f)
+    assert choose_plan(f).plan.name == "topk" and choose_plan(f).reasons == ()
+
+
+def test_the_values_gate_sends_value_reading_plans_to_the_full_head_or_the_coupled_draw():
+    top_k = TopKLogitsWarper(20)
+    d = choose_plan(_facts(top_k, do_sample=True, subset_exact=lambda: False))
+    assert isinstance(d.plan, Full) and len(d.reasons) == 1 and not d.own_draw
+    assert d.reasons[0].startswith("top-k sampling with stock's sampler: needs stock's values on S bit for bit")
+    d = choose_plan(_facts(top_k, do_sample=True, gumbel=True, subset_exact=lambda: False))
+    assert d.plan == Sample(warps=(("top_k", 20),)) and d.own_draw and "draws in the head itself" in d.reasons[0]
+    # greedy reads no value: the head's own values serve, probe or not
+    assert choose_plan(_facts(subset_exact=lambda: False)).plan.own_values
+
+
+def test_whispers_steps_and_whose_values_serve():
+    d = choose_plan(_facts(whisper_scores_internal=True, logprob_threshold=-1.0))
+    assert d.whisper_record and d.plan.check_processed and not d.plan.own_values  # the avg-logprob rule reads them
+    d = choose_plan(_facts(TemperatureLogitsWarper(0.7), do_sample=True, whisper_scores_internal=True,
+                           logprob_threshold=-1.0))
+    assert isinstance(d.plan, Full) and "certified for greedy rounds only" in d.reasons[0]
+
+    class WhisperNoSpeechDetection:  # read by name, like transformers' own
+        start_of_trans_offset = 1
+
+    assert choose_plan(_facts(WhisperNoSpeechDetection())).plan.check_processed
+    d = choose_plan(_facts(draft=True, confidence_threshold=0.4))
+    assert d.plan.stock_values and not d.plan.own_values  # the probe gives stock's bits to the confidence stop
