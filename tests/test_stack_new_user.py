@@ -1,4 +1,5 @@
-"""Issue 36: what a newcomer sees in the first hour — the messages of the usual mistakes, and the stats."""
+"""Issue 36: what a newcomer sees in the first hour — the messages of the usual mistakes, and the stats (for people,
+`python scripts/first_hour.py` replays that hour and prints every message)."""
 from __future__ import annotations
 
 import logging
