@@ -25,10 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
 import hf_csv
 
-try:
-    from _load import machine_load
-except ImportError:
-    from scripts._load import machine_load
+from _load import machine_load
 
 PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "models" / "prompts.jsonl"
 

@@ -13,13 +13,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402

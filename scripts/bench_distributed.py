@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 MODELS = pathlib.Path(os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models")).expanduser()
 PROMPTS = ROOT.parent / "shared" / "models" / "prompts.jsonl"
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 from _load import cpu_info  # noqa: E402
 

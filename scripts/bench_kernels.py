@@ -14,13 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 

@@ -8,8 +8,9 @@ ratios to stock measured in the same run (calls interleaved round-robin), plus t
 quality (acceptance rate and total-variation distance of its first emitted token from the target
 distribution), analytically, on a real target/draft pair when available.
 
-Part 2 (end-to-end assisted generation) is a hook: implement :func:`bench_end_to_end` and pass
-``--part2``; its dict is merged into the JSON under ``"end_to_end"``.
+Part 2 (``--part2``, ``--part2-only``): end-to-end assisted generation on a real target/draft pair,
+:func:`bench_end_to_end` (greedy, merged into the JSON under ``"end_to_end"``) and, with ``--e2e-sampling``,
+assisted sampling per setting (``scripts/_spec_sampling.py``, under ``"sampling"``).
 
 Run under the shared lock:  flock /tmp/hf_csv_bench.lock python scripts/bench_speculative.py --json out/spec.json
 """
@@ -29,11 +30,9 @@ from typing import Any, Callable
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
-from hf_csv.transformers.plans import TopK  # noqa: E402
 from hf_csv.transformers.acceptance import (  # noqa: E402
     LossyVerifyWarning,
     check_transformers_version,
@@ -41,6 +40,8 @@ from hf_csv.transformers.acceptance import (  # noqa: E402
     speculative_sampling_sigmoid,
 )
 from hf_csv.core.speculative import exact_first_token_distribution, sigmoid_first_token_distribution  # noqa: E402
+
+from _spec_sampling import SAMPLING_SETTINGS, bench_sampling  # noqa: E402
 
 MODELS = pathlib.Path(os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models")).expanduser()
 PROMPTS = ROOT.parent / "shared" / "models" / "prompts.jsonl"
@@ -279,244 +280,6 @@ def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-# the settings of issue 12: Qwen2.5's shipped chat defaults, and plain sampling at T = 1 (no top-k, no top-p)
-SAMPLING_SETTINGS = {
-    "qwen_defaults": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
-    "plain_T1": dict(temperature=1.0, top_k=0, top_p=1.0),
-}
-
-
-class _StockCounter:
-    """Counts drafted / accepted tokens of stock's ``_speculative_sampling`` (for stock's acceptance rate)."""
-
-    def __init__(self) -> None:
-        import transformers.generation.utils as gu
-
-        self.gu, self.orig = gu, gu._speculative_sampling
-        self.drafted = self.accepted = 0
-
-    def __enter__(self):
-        def counted(cand, cand_logits, L, new_logits, *a, **k):
-            valid, n = self.orig(cand, cand_logits, L, new_logits, *a, **k)
-            self.drafted += int(L)
-            self.accepted += valid.shape[1] - 1
-            return valid, n
-
-        self.gu._speculative_sampling = counted
-        return self
-
-    def __exit__(self, *exc):
-        self.gu._speculative_sampling = self.orig
-
-
-def _law_probe(n: int, seed: int) -> tuple[dict, Callable]:
-    """Capture the first certified verify call of a csv run and compare, on exactly those inputs, the law of
-    hf_csv's verify (bounded in mode "spec", exact on the certified top-k vector in mode "topk") with stock's
-    ``_speculative_sampling`` on the full head's processed rows: ``n`` draws each, the joint law of (first
-    emitted token, second or none), two-sample chi-square. Returns (result dict, uninstall)."""
-    import hf_csv.transformers.acceptance as hv
-    import transformers.generation.utils as gu
-    from scipy import stats as sps
-
-    from collections import Counter
-
-    out: dict = {}
-    orig_cert, orig_exact = hv.speculative_sampling_certified, hv._IMPLS["exact"]
-    stock = gu._speculative_sampling
-
-    def stock_rows(sess, cand, L):
-        st = sess.step.last
-        P = st.logits.shape[1]
-        raw = sess.head.stock(st.H.reshape(P, -1))[P - (L + 1):].float()
-        cur = cand.shape[1] - L
-        procs = [p for p in sess.processors if type(p).__name__ != "CSVLogitsProcessor"]
-        rows = [raw[i][None] for i in range(L + 1)]
-        for i in range(L + 1):
-            for p in procs:
-                rows[i] = p(cand[:, : cur + i], rows[i])
-        return torch.cat(rows)[None]
-
-    def run(kind, fn_csv, sess, cand, cand_logits, L, new_logits):
-        full = stock_rows(sess, cand, L)
-        obs_c, obs_s = Counter(), Counter()
-        gc, gs = torch.Generator().manual_seed(seed), seed + 1
-        torch.manual_seed(gs)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            v, _ = fn_csv(cand, cand_logits, L, new_logits, gc)
-            obs_c[tuple(v[0, :2].tolist()) if v.shape[1] > 1 else (int(v[0, 0]), -1)] += 1
-        t_csv = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(n):
-            v, _ = stock(cand, cand_logits, L, full, None)
-            obs_s[tuple(v[0, :2].tolist()) if v.shape[1] > 1 else (int(v[0, 0]), -1)] += 1
-        t_stock = time.perf_counter() - t0
-        keys = [k for k in set(obs_c) | set(obs_s) if obs_c[k] + obs_s[k] >= 10]
-        cols = [(obs_c[k], obs_s[k]) for k in keys]
-        cols.append((n - sum(c for c, _ in cols), n - sum(s_ for _, s_ in cols)))
-        cols = [c for c in cols if sum(c) > 0]
-        pv = 1.0 if len(cols) < 2 else float(sps.chi2_contingency([[c[0] for c in cols], [c[1] for c in cols]]).pvalue)
-        out.update(kind=kind, draws=n, drafted=int(L), categories=len(cols), pvalue=pv, alpha=1e-3,
-                   identical_law=pv > 1e-3, verify_ms_csv=1e3 * t_csv / n, verify_ms_stock=1e3 * t_stock / n)
-
-    def certified(sess, cand, cand_logits, L, new_logits, **kw):
-        if not out and int(L) >= 1 and sess.step.last is not None:  # (a call without its head step: the next)
-            run("spec", lambda c, ql, LL, nl, g: orig_cert(sess, c, ql, LL, nl, generator=g), sess, cand,
-                cand_logits, int(L), new_logits)
-            sess.step.spec_pending = True  # the probe consumed the stash flag; the real call below clears it
-        return orig_cert(sess, cand, cand_logits, L, new_logits, **kw)
-
-    def exact(cand, cand_logits, L, new_logits, weight=None, **kw):
-        h = hv._stack()[-1] if hv._stack() else None
-        sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.step.last is not None:
-            run("topk", lambda c, ql, LL, nl, g: orig_exact(c, ql, LL, nl, None, generator=g), sess, cand,
-                cand_logits, int(L), new_logits)
-        return orig_exact(cand, cand_logits, L, new_logits, weight, **kw)
-
-    def stock_verify(cand, cand_logits, L, new_logits, *a, **kw):
-        # the target's checked top-K plan hands its rows to stock's verify (hf_csv.transformers.acceptance._dispatch): the law is
-        # stock's exactly when those rows are stock's processed rows, which is checked here, bit for bit
-        h = hv._stack()[-1] if hv._stack() else None
-        sess = getattr(h, "session", None)
-        if not out and int(L) >= 1 and sess is not None and isinstance(sess.plan, TopK) and sess.step.last is not None:
-            same = bool(torch.equal(new_logits.float(), stock_rows(sess, cand, int(L)).to(new_logits.device)))
-            out.update(kind="topk (stock's verify)", drafted=int(L), rows_identical=same, identical_law=same)
-        return stock(cand, cand_logits, L, new_logits, *a, **kw)
-
-    stock_verify.__wrapped__ = stock  # (hf_csv.transformers.compat checks stock's signature through it)
-    hv.speculative_sampling_certified, hv._IMPLS["exact"], gu._speculative_sampling = certified, exact, stock_verify
-
-    def uninstall():
-        hv.speculative_sampling_certified, hv._IMPLS["exact"], gu._speculative_sampling = orig_cert, orig_exact, stock
-
-    return out, uninstall
-
-
-@torch.no_grad()
-def _gumbel_reference(tok, tm, dm, prompt: str, gen_kw: dict, cfg, seed: int, n: int = 24) -> dict:
-    """Gumbel-coupled verification (CSVConfig(speculative="gumbel")) emits at token index t the Gumbel-max draw
-    argmax(stock's processed row + g_t) with the call's keyed noise g. The reference: *stock* plain sampling (no
-    assistant, no csv) with a last processor that makes that same draw on stock's full processed rows. Token-for-token
-    equality with the certified assisted call checks the certificate and the coupling end to end (the law is then
-    the target's: docs/speculative.md, and the seeded chi-square test in tests/test_transformers_acceptance.py)."""
-    from hf_csv.transformers.acceptance import gumbel_reference
-
-    x = dict(tok(prompt, return_tensors="pt"))
-    kw = dict(gen_kw, max_new_tokens=n)
-    torch.manual_seed(seed)
-    ours = tm.generate(**x, assistant_model=dm, csv_config=cfg, return_dict_in_generate=True, **kw)
-    ref = gumbel_reference(tm, seed, **x, **kw)
-    same = bool(torch.equal(ours.sequences, ref))
-    return {"kind": "gumbel (reference: stock plain sampling with the same keyed Gumbel-max draw)",
-            "tokens": int(ref.shape[1] - x["input_ids"].shape[1]), "reference_identical": same,
-            "identical_law": same, "target_mode": ours.csv_stats["mode"],
-            "draft_mode": (ours.csv_stats.get("draft") or {}).get("mode")}
-
-
-@torch.no_grad()
-def bench_sampling(args: argparse.Namespace, tok, tm, dm) -> dict[str, Any]:
-    """Assisted sampling, stock vs hf_csv (certified target head + sub-vocabulary draft + exact verify), per
-    setting of :data:`SAMPLING_SETTINGS`; calls interleaved, the same seed per prompt and run. With a top-k warper
-    (Qwen's defaults) both heads run the checked top-K plan and stock's verify, so the tokens must be stock's
-    (``identical_tokens_same_seed``); without one the random streams differ and the law is compared instead
-    (:func:`_law_probe`)."""
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    prompts = prompts[: args.e2e_prompts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    speculative = getattr(args, "speculative", "exact")
-    cfg = CSVConfig(speculative=speculative)
-    res: dict[str, Any] = {"speculative": speculative}
-    settings = getattr(args, "settings", None)
-    for name, kw in SAMPLING_SETTINGS.items():
-        if settings is not None and name not in settings:
-            continue
-        gen_kw = dict(kw, do_sample=True, max_new_tokens=args.new_tokens, pad_token_id=pad)
-        warm = tok(prompts[0], return_tensors="pt")
-        tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=16))
-        tm.generate(**warm, assistant_model=dm, **dict(gen_kw, max_new_tokens=16))
-        if speculative == "gumbel":
-            law = _gumbel_reference(tok, tm, dm, prompts[0], gen_kw, cfg, args.seed)
-        else:
-            law, uninstall = _law_probe(args.law_draws, args.seed)
-            try:
-                tm.generate(**warm, assistant_model=dm, csv_config=cfg, **dict(gen_kw, max_new_tokens=8))
-            finally:
-                uninstall()
-        tps = {"stock": [], "csv": []}
-        counter = _StockCounter()
-        spec_tot: dict = {}
-        head_tot = {"rows": 0, "certified": 0}
-        modes, reasons = set(), set()
-        same = []  # per (run, prompt): the same seed gave the same tokens (the checked top-K plan: it must)
-        for run in range(args.e2e_runs):
-            acc = {"stock": [0.0, 0], "csv": [0.0, 0]}
-            for i, text in enumerate(prompts):
-                x = dict(tok(text, return_tensors="pt"))
-                n0 = x["input_ids"].shape[1]
-                seqs = {}
-                for m in ("stock", "csv") if (run + i) % 2 == 0 else ("csv", "stock"):
-                    torch.manual_seed(1000 * run + i)
-                    t0 = time.perf_counter()
-                    if m == "stock":
-                        with counter:
-                            out = tm.generate(**x, assistant_model=dm, **gen_kw)
-                        seq = out
-                    else:
-                        out = tm.generate(**x, assistant_model=dm, csv_config=cfg, return_dict_in_generate=True,
-                                          **gen_kw)
-                        seq = out.sequences
-                    acc[m][0] += time.perf_counter() - t0
-                    acc[m][1] += seq.shape[1] - n0
-                    seqs[m] = seq
-                    if m == "csv":
-                        st = out.csv_stats
-                        modes.add(st["mode"])
-                        reasons.update(st["reasons"])
-                        # every head row: the certified head's and those the speed guard gave the full head
-                        head_tot["rows"] += st.get("head_rows", st.get("rows", 0))
-                        head_tot["certified"] += st.get("certified", 0)
-                        head_tot["declined"] = head_tot.get("declined", 0) + st.get("declined_rows", 0)
-                        # rows whose check failed after the processors and re-ran stock's head (docs/certificates.md §3.2)
-                        head_tot["reruns"] = head_tot.get("reruns", 0) + st.get("verify_reruns", 0)
-                        draft = st.get("draft") or {}
-                        for k, src in (("rows", "head_rows"), ("certified", "certified"),
-                                       ("declined", "declined_rows"), ("verify_reruns", "verify_reruns")):
-                            head_tot["draft_" + k] = head_tot.get("draft_" + k, 0) + draft.get(src, 0)
-                        for k, v in (st.get("speculative") or {}).items():
-                            if isinstance(v, int):
-                                spec_tot[k] = spec_tot.get(k, 0) + v
-                same.append(bool(torch.equal(seqs["stock"], seqs["csv"])))
-            for m in tps:
-                tps[m].append(acc[m][1] / acc[m][0])
-        med = {m: statistics.median(v) for m, v in tps.items()}
-        res[name] = {
-            "settings": kw, "tokens_per_s_runs": tps, "tokens_per_s_median": med,
-            "assisted_sampling_speedup": med["csv"] / med["stock"],
-            "identical_tokens_same_seed": same,
-            "speedup_runs": [c / s_ for c, s_ in zip(tps["csv"], tps["stock"])],
-            "acceptance_stock": counter.accepted / counter.drafted if counter.drafted else None,
-            "acceptance_csv": spec_tot["accepted"] / spec_tot["drafted"] if spec_tot.get("drafted") else None,
-            "target_mode": sorted(modes), "reasons": sorted(reasons),
-            "target_head_rows": head_tot["rows"], "target_head_rows_certified": head_tot["certified"],
-            "target_head_certified_fraction": head_tot["certified"] / head_tot["rows"] if head_tot["rows"] else None,
-            "target_head_rows_speed_guard": head_tot.get("declined", 0),
-            "target_rows_rerun": head_tot.get("reruns", 0),
-            "draft_head_rows": head_tot.get("draft_rows", 0),
-            "draft_head_rows_certified": head_tot.get("draft_certified", 0),
-            "draft_head_rows_speed_guard": head_tot.get("draft_declined", 0),
-            "draft_rows_rerun": head_tot.get("draft_verify_reruns", 0),
-            "verify_rows": spec_tot.get("target_rows", 0),
-            "verify_rows_by_bounds": spec_tot.get("target_rows_by_bounds", 0),
-            "verify_rows_completed": spec_tot.get("target_rows_completed", 0),
-            "law": law,
-        }
-    res["assisted_sampling_speedup"] = {k: res[k]["assisted_sampling_speedup"] for k in SAMPLING_SETTINGS if k in res}
-    res["assisted_sampling_identical_law"] = all(res[k]["law"].get("identical_law", False) for k in SAMPLING_SETTINGS
-                                                 if k in res)
-    return res
-
-
 # ----------------------------------------------------------------------------- plot + main
 
 
@@ -568,7 +331,7 @@ def plot_e2e(e2e: dict[str, Any], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=pathlib.Path, required=True, help="output JSON")
     ap.add_argument("--png", type=pathlib.Path, default=None, help="plot (default: JSON path with .png)")
@@ -597,47 +360,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", choices=("exact", "gumbel"), default="exact",
                     help="part 2 sampling: hf_csv's verify (CSVConfig(speculative=...)); 'gumbel' is compared with "
                          "stock assisted sampling for speed and with a stock Gumbel-max reference for its tokens")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _part2_only(args: argparse.Namespace, res: dict) -> int:
+    """``--part2-only``: the greedy end-to-end run (unless ``--no-greedy``) and, with ``--e2e-sampling``, assisted
+    sampling; writes the JSON."""
+    from _load import machine_load
+
+    res["machine_before"] = machine_load()
+    if not args.no_greedy:
+        res["end_to_end"] = e2e = bench_end_to_end(args)
+        plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
+        for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup",
+                  "identical_tokens"):
+            res[k] = e2e[k]
+    else:
+        e2e = {}
+    if args.e2e_sampling:
+        tok, tm, dm = _load_pair(args.target, args.draft)
+        res["sampling"] = samp = bench_sampling(args, tok, tm, dm)
+        res["assisted_sampling_speedup"] = samp["assisted_sampling_speedup"]
+        res["assisted_sampling_identical_law"] = samp["assisted_sampling_identical_law"]
+        for k in (k for k in SAMPLING_SETTINGS if k in samp):
+            res.setdefault("acceptance", {})[k] = {"stock": samp[k]["acceptance_stock"],
+                                                  "csv": samp[k]["acceptance_csv"]}
+        e2e = dict(e2e, sampling=samp)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", LossyVerifyWarning)
-    import transformers
+    args.json.write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in e2e.items() if k != "csv_stats_first_run"}, indent=2, default=str))
+    return 0
 
-    res: dict[str, Any] = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "env": {"torch": torch.__version__, "transformers": transformers.__version__,
-                "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                "cpu_count": os.cpu_count()},
-    }
-    if args.part2_only:
-        try:
-            from _load import machine_load
-        except ImportError:
-            from scripts._load import machine_load
 
-        res["machine_before"] = machine_load()
-        if not args.no_greedy:
-            res["end_to_end"] = e2e = bench_end_to_end(args)
-            plot_e2e(e2e, args.json.with_name(args.json.stem + "_e2e.png"))
-            for k in ("assisted_tokens_per_s_stock", "assisted_tokens_per_s_csv", "assisted_speedup",
-                      "identical_tokens"):
-                res[k] = e2e[k]
-        else:
-            e2e = {}
-        if args.e2e_sampling:
-            tok, tm, dm = _load_pair(args.target, args.draft)
-            res["sampling"] = samp = bench_sampling(args, tok, tm, dm)
-            res["assisted_sampling_speedup"] = samp["assisted_sampling_speedup"]
-            res["assisted_sampling_identical_law"] = samp["assisted_sampling_identical_law"]
-            for k in (k for k in SAMPLING_SETTINGS if k in samp):
-                res.setdefault("acceptance", {})[k] = {"stock": samp[k]["acceptance_stock"],
-                                                      "csv": samp[k]["acceptance_csv"]}
-            e2e = dict(e2e, sampling=samp)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2))
-        print(json.dumps({k: v for k, v in e2e.items() if k != "csv_stats_first_run"}, indent=2, default=str))
-        return 0
+def _part1(args: argparse.Namespace, res: dict) -> int:
+    """Part 1 (the verify step alone and the sigmoid mode's quality), and part 2's greedy run with ``--part2``;
+    writes the JSON and the plot."""
     res.update(bench_verify(args.V, args.L, args.repeats, args.cases, args.seed))
     quality = bench_quality(args)
     res["quality"] = quality
@@ -661,6 +418,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.json} and {png}")
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", LossyVerifyWarning)
+    import transformers
+
+    res: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count()},
+    }
+    return _part2_only(args, res) if args.part2_only else _part1(args, res)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,15 +13,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 from _load import cpu_load, machine_load  # noqa: E402
 from certify_report import hidden_states, load_text, DEFAULT_PROMPTS  # noqa: E402

@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_exactness import PROMPTS, load_prompts  # noqa: E402  (the same prompts and loader)
 
 
@@ -134,15 +133,79 @@ def pass_ratios(passes: dict) -> dict:
             "worst": round(min(r), 3), "stock_first": round(ref / max(1e-9, st[0]), 3)}
 
 
-def serve(args) -> dict:
+def _launch(side: str, port: int, args, trace: Path, trace_env: dict):
+    """Starts one OpenAI server (``VLLM_PLUGINS=side``, or none under ``--control``) with the step trace on; (process,
+    client). Does not wait for it."""
     import openai
+
+    (trace / side).mkdir()
+    env = {**os.environ, **trace_env, "HF_CSV_STEP_TRACE": str(trace / side),
+           "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0",
+           "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_vllm_serve_{side}.log", "w")
+    # `vllm serve`'s own entry point reads importlib.metadata.version("vllm"), which vllm-cpu 0.32.0
+    # (distributed as "vllm-cpu") lacks; the OpenAI server module runs the same server
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
+         args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port), "--max-num-seqs",
+         str(args.concurrency), "--seed", "0"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+
+
+def _wait_ready(side: str, proc, client) -> None:
+    """Until the server answers (10 minutes at most): one server at a time, two loads at once would share the 2
+    cores."""
+    deadline = time.time() + 600
+    while True:
+        try:
+            client.models.list()
+            break
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"vllm serve ({side}) did not start")
+            time.sleep(2)
+
+
+def _served_passes(args, clients: dict, prompts: list, passes: list) -> tuple[dict, dict]:
+    """``--warmup`` untimed then ``--runs`` timed passes of the whole load per side, the order flipping each round;
+    (tok/s per timed pass, the first timed pass's texts) per side; appends each timed pass's span to ``passes``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(side, p):
+        r = clients[side].completions.create(model=args.model, prompt=p, max_tokens=args.new_tokens,
+                                             temperature=0.0, extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage.completion_tokens
+
+    def load(side):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as ex:
+            res = list(ex.map(lambda p: one(side, p), prompts))
+        return res, sum(n for _, n in res) / (time.perf_counter() - t0)
+
+    rates = {"hf_csv": [], "none": []}
+    texts = {}
+    # --warmup untimed passes per side (the plugin's speed guard measures each batch shape once, its columns are
+    # re-chosen from the first rows); --warmup 0 times each server's first pass
+    for r in range(args.warmup + args.runs):
+        for side in (("hf_csv", "none") if r % 2 == 0 else ("none", "hf_csv")):
+            t0 = time.monotonic()
+            res, rate = load(side)
+            if r >= args.warmup:
+                passes.append((side, t0, time.monotonic()))
+                rates[side].append(rate)
+                texts.setdefault(side, [t for t, _ in res])
+    return rates, texts
+
+
+def serve(args) -> dict:
+    import openai  # noqa: F401  (the client: missing, the run stops before a server starts)
 
     out = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
            "warmup": args.warmup, "control": args.control, "stock_first": args.stock_first,
            "prebuild": os.environ.get("HF_CSV_VLLM_PREBUILD", "1") != "0", "load_before": os.getloadavg(), "sides": {}}
     prompts = _prompts(args.concurrency * args.requests_per_client)
-    from concurrent.futures import ThreadPoolExecutor
-
     # both servers run side by side (the idle one waits on its queue), and the timed passes alternate between them,
     # the order flipping each round: a passing load or a slower minute of this shared machine hits both sides
     procs, clients = {}, {}
@@ -154,54 +217,9 @@ def serve(args) -> dict:
     passes = []  # (side, monotonic start, end) of each timed pass
     try:
         for i, side in enumerate(("none", "hf_csv") if args.stock_first else ("hf_csv", "none")):
-            (trace / side).mkdir()
-            env = {**os.environ, **trace_env, "HF_CSV_STEP_TRACE": str(trace / side),
-                   "VLLM_PLUGINS": "none" if args.control else side, "VLLM_USE_V2_MODEL_RUNNER": "0",
-                   "HF_HUB_OFFLINE": "1",
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-            port = args.port + i
-            log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_vllm_serve_{side}.log", "w")
-            # `vllm serve`'s own entry point reads importlib.metadata.version("vllm"), which vllm-cpu 0.32.0
-            # (distributed as "vllm-cpu") lacks; the OpenAI server module runs the same server
-            procs[side] = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
-                 args.dtype, "--enforce-eager", "--max-model-len", "1024", "--port", str(port), "--max-num-seqs",
-                 str(args.concurrency), "--seed", "0"], env=env, stdout=log, stderr=subprocess.STDOUT)
-            clients[side] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-            deadline = time.time() + 600
-            while True:  # one server at a time: two loads at once would share the 2 cores
-                try:
-                    clients[side].models.list()
-                    break
-                except Exception:
-                    if procs[side].poll() is not None or time.time() > deadline:
-                        raise RuntimeError(f"vllm serve ({side}) did not start")
-                    time.sleep(2)
-
-        def one(side, p):
-            r = clients[side].completions.create(model=args.model, prompt=p, max_tokens=args.new_tokens,
-                                                 temperature=0.0, extra_body={"ignore_eos": True})
-            return r.choices[0].text, r.usage.completion_tokens
-
-        def load(side):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(args.concurrency) as ex:
-                res = list(ex.map(lambda p: one(side, p), prompts))
-            return res, sum(n for _, n in res) / (time.perf_counter() - t0)
-
-        rates = {"hf_csv": [], "none": []}
-        texts = {}
-        # --warmup untimed passes per side (the plugin's speed guard measures each batch shape once, its columns are
-        # re-chosen from the first rows); --warmup 0 times each server's first pass
-        for r in range(args.warmup + args.runs):
-            for side in (("hf_csv", "none") if r % 2 == 0 else ("none", "hf_csv")):
-                t0 = time.monotonic()
-                res, rate = load(side)
-                if r >= args.warmup:
-                    passes.append((side, t0, time.monotonic()))
-                    rates[side].append(rate)
-                    texts.setdefault(side, [t for t, _ in res])
+            procs[side], clients[side] = _launch(side, args.port + i, args, trace, trace_env)
+            _wait_ready(side, procs[side], clients[side])
+        rates, texts = _served_passes(args, clients, prompts, passes)
         for side in ("hf_csv", "none"):
             out["sides"][side] = {"tok_s": round(statistics.median(rates[side]), 1),
                                   "per_run_tok_s": [round(x, 1) for x in rates[side]], "texts": texts[side]}

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,13 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 from hf_csv.hub.artifact import CSVArtifact  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
-sys.path.insert(0, str(REPO / "scripts"))
 from _load import cpu_load, machine_load  # noqa: E402
 from _timing import median_ms  # noqa: E402
 
@@ -65,7 +62,7 @@ def hidden_states(model_dir: str, text: str, positions: int, dtype: torch.dtype)
     return H, head.weight.detach(), (head.bias.detach() if getattr(head, "bias", None) is not None else None), model
 
 
-def main(argv=None) -> dict:
+def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory (HF format)")
     ap.add_argument("--provider", choices=["screen", "cluster"], default="screen")
@@ -83,23 +80,64 @@ def main(argv=None) -> dict:
     ap.add_argument("--load", type=int, default=0, help="busy CPU processes during the timing")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--png", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def _cluster_index(args: argparse.Namespace, W: torch.Tensor, b):
+    """The cluster provider's index: read from ``--index``, or built (and saved there if given)."""
+    if args.index and Path(args.index).is_dir():
+        return CSVArtifact.from_pretrained(args.index).index
+    art = CSVArtifact.build(W, b, screen=False, index=True, num_clusters=args.num_clusters)
+    if args.index:
+        art.save_pretrained(args.index)
+    return art.index
+
+
+def _timings(head: CertifiedHead, H: torch.Tensor, args: argparse.Namespace) -> tuple[list, list, list]:
+    """Median ms per call of the dense head, the certified top-1 call and (screen provider) the screen alone, on
+    ``--timing-rows`` calls of ``--batch`` rows each, interleaved, under ``--load``."""
+    B = max(1, args.batch)
+    starts = torch.linspace(0, len(H) - B, args.timing_rows).long()
+    groups = [H[int(i): int(i) + B] for i in starts]
+    dense_fn = head.stock  # what nn.Linear computes, in the head's dtype
+    dense_ms, cert_ms, screen_ms = [], [], []
+    with cpu_load(args.load):
+        for h in groups:  # interleaved, one decode-like call of B rows at a time
+            dense_fn(h), head.topk(h)
+            dense_ms.append(median_ms(lambda: dense_fn(h), args.reps))
+            cert_ms.append(median_ms(lambda: head.topk(h), args.reps))
+            if args.provider == "screen":  # the screen alone: int8 GEMV + bounds, for its bandwidth
+                screen_ms.append(median_ms(lambda: head.provider(h), args.reps))
+    return dense_ms, cert_ms, screen_ms
+
+
+def _histogram(sizes: torch.Tensor, report: dict, args: argparse.Namespace) -> None:
+    """The certified sub-vocabulary sizes as a PNG (``--png``, else beside the JSON); skipped without matplotlib."""
+    png = args.png or args.json.with_suffix(".png")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.hist((sizes * 100).numpy(), bins=50)
+        ax.set_xlabel("sub-vocabulary size (% of V)")
+        ax.set_ylabel("positions")
+        ax.set_title(f"{report['model']} / {args.provider}: certified top-1 sub-vocabulary")
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+    except ImportError:
+        pass
+
+
+def main(argv=None) -> dict:
+    args = _args(argv)
     dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     before = machine_load()
     H, W, b, model = hidden_states(args.model, load_text(args.text), args.positions, dtype)
     H = H.float()
-    index = None
-    if args.provider == "cluster":
-        if args.index and Path(args.index).is_dir():
-            index = CSVArtifact.from_pretrained(args.index).index
-        else:
-            art = CSVArtifact.build(W, b, screen=False, index=True, num_clusters=args.num_clusters)
-            index = art.index
-            if args.index:
-                art.save_pretrained(args.index)
+    index = _cluster_index(args, W, b) if args.provider == "cluster" else None
     t0 = time.perf_counter()
     kw = {"quant": args.quant} if args.provider == "screen" else {}
     head = CertifiedHead(W, b, provider=args.provider, index=index, budget=1.0, **kw)
@@ -115,18 +153,7 @@ def main(argv=None) -> dict:
     identical = bool(torch.equal(res.logits.argmax(1), full.argmax(1)))
     sizes = torch.tensor(st.subvocab_sizes, dtype=torch.float64) / head.vocab_size
 
-    B = max(1, args.batch)
-    starts = torch.linspace(0, len(H) - B, args.timing_rows).long()
-    groups = [H[int(i): int(i) + B] for i in starts]
-    dense_fn = head.stock  # what nn.Linear computes, in the head's dtype
-    dense_ms, cert_ms, screen_ms = [], [], []
-    with cpu_load(args.load):
-        for h in groups:  # interleaved, one decode-like call of B rows at a time
-            dense_fn(h), head.topk(h)
-            dense_ms.append(median_ms(lambda: dense_fn(h), args.reps))
-            cert_ms.append(median_ms(lambda: head.topk(h), args.reps))
-            if args.provider == "screen":  # the screen alone: int8 GEMV + bounds, for its bandwidth
-                screen_ms.append(median_ms(lambda: head.provider(h), args.reps))
+    dense_ms, cert_ms, screen_ms = _timings(head, H, args)
     ratios = [d / c for d, c in zip(dense_ms, cert_ms)]
     V_, d_ = W.shape
     dense_bytes = V_ * d_ * W.element_size()
@@ -152,29 +179,15 @@ def main(argv=None) -> dict:
         "screen_ms": statistics.median(screen_ms) if screen_ms else None,
         "screen_gb_per_s": screen_bytes / statistics.median(screen_ms) / 1e6 if screen_ms else None,
         "provider_setup_s": setup_s, "torch_threads": torch.get_num_threads(),
-        "load": args.load, "batch": B, "machine_before": before,
+        "load": args.load, "batch": max(1, args.batch), "machine_before": before,
     }
     if index is not None:
         report["num_clusters"] = index.config.num_clusters
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    png = args.png or args.json.with_suffix(".png")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.hist((sizes * 100).numpy(), bins=50)
-        ax.set_xlabel("sub-vocabulary size (% of V)")
-        ax.set_ylabel("positions")
-        ax.set_title(f"{report['model']} / {args.provider}: certified top-1 sub-vocabulary")
-        fig.tight_layout()
-        fig.savefig(png, dpi=100)
-    except ImportError:
-        pass
+    _histogram(sizes, report, args)
     print(json.dumps(report, indent=2))
     return report
-
 
 if __name__ == "__main__":
     main()

@@ -27,10 +27,7 @@ from pathlib import Path
 
 import torch
 
-try:
-    from _timing import median_ms
-except ImportError:  # run as a module from elsewhere
-    from scripts._timing import median_ms
+from _timing import median_ms
 
 PROMPTS = (
     "The three laws of thermodynamics say that",

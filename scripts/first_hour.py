@@ -43,6 +43,16 @@ def step(title: str, argv: list, env: dict, tail: int = 14) -> None:
         print("    " + l[:220])
 
 
+def _prelude(smol: Path) -> str:
+    """The code that loads SmolLM2's tokenizer and one prompt (the start of steps 4 and 5)."""
+    return f"""
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(smol)!r})
+x = tok("The capital of France is", return_tensors="pt")
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=os.environ.get("HF_CSV_MODELS", "~/.cache/hf-csv-models"))
@@ -56,7 +66,15 @@ def main() -> None:
 
     if not a.skip_demo:
         step("1. the README's demo", [py, "scripts/demo.py", "--model", str(smol), "--runs", "2"], env, tail=20)
+    _pipelines(py, env, smol, whisper)
+    _cli(py, env, smol, tmp)
+    _custom_generate(py, env, smol, tmp)
+    _mistakes(py, env, smol, whisper, tmp)
+    print(f"\n(scratch files in {tmp})")
 
+
+def _pipelines(py: str, env: dict, smol: Path, whisper: Path) -> None:
+    """2. text generation and the ASR pipeline (its default, 5 beams, and num_beams=1)."""
     step("2a. text-generation pipeline with csv_config", [py, "-c", f"""
 import hf_csv, torch
 from transformers import pipeline
@@ -83,23 +101,24 @@ print(asr({"raw": audio, "sampling_rate": 16000}, generate_kwargs={**kw, "num_be
 print(asr.model.csv_last_stats["summary"])
 """], env)
 
+
+def _cli(py: str, env: dict, smol: Path, tmp: Path) -> None:
+    """3. ``hf-csv build`` and ``inspect``, and ``inspect`` on a mistyped path."""
     cli = [py, "-m", "hf_csv.cli"]
     step("3a. hf-csv build", cli + ["build", str(smol), "--out", str(tmp / "art")], env)
     step("3b. hf-csv inspect", cli + ["inspect", str(tmp / "art")], env)
     step("3c. hf-csv inspect on a mistyped path", cli + ["inspect", str(tmp / "atr")], env)
 
+
+def _custom_generate(py: str, env: dict, smol: Path, tmp: Path) -> None:
+    """4. a ``custom_generate`` repository: per call, per model, per model without ``trust_remote_code``."""
     step("4a. custom_generate repository (hf-csv push-model's layout, written locally)", [py, "-c", f"""
 from hf_csv.hub.artifact import CSVArtifact
 from hf_csv.cli import assemble_model_repo
 assemble_model_repo({str(tmp / 'repo')!r}, CSVArtifact.from_pretrained({str(tmp / 'art')!r}), {str(smol)!r})
 import os; print(sorted(os.listdir({str(tmp / 'repo' / 'custom_generate')!r}))[:8], '...')
 """], env)
-    gen = f"""
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained({str(smol)!r})
-x = tok("The capital of France is", return_tensors="pt")
-"""
+    gen = _prelude(smol)
     step("4b. per call: generate(custom_generate=REPO, trust_remote_code=True)", [py, "-c", gen + f"""
 m = AutoModelForCausalLM.from_pretrained({str(smol)!r}, dtype=torch.float32)
 ref = m.generate(**x, max_new_tokens=12, do_sample=False)
@@ -115,6 +134,10 @@ m = AutoModelForCausalLM.from_pretrained({str(tmp / 'repo')!r}, dtype=torch.floa
 m.generate(**x, max_new_tokens=12, do_sample=False); print("csv_last_stats:", getattr(m, "csv_last_stats", None))
 """], env)
 
+
+def _mistakes(py: str, env: dict, smol: Path, whisper: Path, tmp: Path) -> None:
+    """5. the usual mistakes and the messages they print."""
+    gen = _prelude(smol)
     step("5a. mistake: csv_config without hf_csv.enable(model)", [py, "-c", gen + f"""
 import hf_csv
 m = AutoModelForCausalLM.from_pretrained({str(smol)!r}, dtype=torch.float32)
@@ -135,7 +158,6 @@ from transformers import pipeline
 asr = pipeline("automatic-speech-recognition", model={str(whisper)!r})
 print(asr({str(SPEECH)!r})["text"])
 """], env, tail=2)
-    print(f"\n(scratch files in {tmp})")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ and, for each kernel, how many of the probe's 117 subsets (1 to 257 columns, ran
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -88,18 +89,23 @@ def _in_child(isa: str, mode: str) -> str:
 
 
 def main() -> None:
-    if "--child" in sys.argv:
-        print(_subsets() if sys.argv[-1] == "subsets" else _digest())
+    ap = argparse.ArgumentParser(description="Which MKL code paths round differently on this host (see the module "
+                                             "docstring).")
+    ap.add_argument("--subsets", action="store_true", help="the column-subset probe's counts per setting (JSON lines)")
+    ap.add_argument("--model", action="append", default=[], help="with --subsets: also this model's real head "
+                                                                   "(repeatable)")
+    ap.add_argument("--child", choices=("digest", "subsets"), help=argparse.SUPPRESS)  # one setting's own process
+    args = ap.parse_args()
+    if args.child:
+        print(_subsets() if args.child == "subsets" else _digest())
         return
-    if "--subsets" in sys.argv:
-        models = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--model"]
-        os.environ["HF_CSV_SUBSET_MODELS"] = os.pathsep.join(models)
+    if args.subsets:
+        os.environ["HF_CSV_SUBSET_MODELS"] = os.pathsep.join(args.model)
         for isa in ("", "AVX512", "AVX2", "SSE4_2"):
             print(_in_child(isa, "subsets"))
         return
     for isa in ("", "AVX2", "AVX", "SSE4_2"):
         print(f"{isa or 'default'}: {_in_child(isa, 'digest')}")
-
 
 if __name__ == "__main__":
     main()

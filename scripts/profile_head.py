@@ -9,14 +9,10 @@ device-to-host synchronisations per call. Random weights (N(0, 0.05²)), hidden 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 

@@ -21,10 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _load import cpu_info  # noqa: E402
+from _load import cpu_info
 
 _CHILD = "--child"
 

@@ -14,20 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hf_csv_kernels.screen as scr  # noqa: E402
 from hf_csv.core.certificate import CertifiedHead  # noqa: E402
 from hf_csv_kernels import native  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import cpu_info  # noqa: E402
 from _timing import median_ms  # noqa: E402
 from vllm_exactness import PROMPTS, load_prompts  # noqa: E402  (the prompts and their loader)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_csv.core.bounds import ScreenProvider  # noqa: E402
 from hf_csv_kernels.screen import make_outliers  # noqa: E402

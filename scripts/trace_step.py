@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -25,12 +26,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
+import hf_csv
+from hf_csv import CSVConfig
 
-import hf_csv  # noqa: E402
-from hf_csv import CSVConfig  # noqa: E402
-from conftest import tiny_llama  # noqa: E402  (the tests' tiny random Llama: one definition)
+
+def _tests_conftest():
+    """The tests' conftest module, read from its file (the tests' tiny random Llama: one definition)."""
+    spec = importlib.util.spec_from_file_location("_hf_csv_tests_conftest",
+                                                  Path(__file__).resolve().parents[1] / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tiny_llama = _tests_conftest().tiny_llama
 
 _OURS = ("hf_csv.", "hf_csv_kernels.")
 

@@ -48,8 +48,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import _speech  # noqa: E402
 
@@ -327,7 +325,7 @@ def train_loop(draft, enc, seqs, tk, seconds: float, batch: int, lr: float, eval
 
 
 
-def main(argv=None) -> int:
+def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODELS / "whisper-base")
     ap.add_argument("--out", type=Path, default=MODELS / "whisper-base-draft")
@@ -341,22 +339,19 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if _speech.tools_missing():
-        raise SystemExit(f"missing {', '.join(_speech.tools_missing())}: apt-get install -y espeak-ng sox")
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    rng = random.Random(a.seed)
-    from transformers import AutoProcessor, WhisperForConditionalGeneration
-    from transformers.utils import logging as hf_logging
+    return ap.parse_args(argv)
 
-    hf_logging.set_verbosity_error()
-    t_all = time.perf_counter()
-    stages = {}
 
-    def stage(name, t0):
-        stages[name] = round(time.perf_counter() - t0, 1)
-        print(f"[{name}] {stages[name]} s", flush=True)
+def _stage(stages: dict, name: str, t0: float) -> None:
+    """Records and prints a stage's wall time since ``t0``."""
+    stages[name] = round(time.perf_counter() - t0, 1)
+    print(f"[{name}] {stages[name]} s", flush=True)
+
+
+def _sentences(a: argparse.Namespace, rng: random.Random, stages: dict):
+    """Stage "text": the processor and the distinct training sentences (grammar, SmolLM2 samples, word lists), none
+    of them an evaluation clip's."""
+    from transformers import AutoProcessor
 
     t0 = time.perf_counter()
     excluded = _speech.excluded_texts()
@@ -365,56 +360,89 @@ def main(argv=None) -> int:
     lm = keep(lm_sentences(a.lm_seconds, rng, a.threads))
     grammar = keep(template_sentences(3000, rng))
     words = keep(word_sentences(3000, rng, proc.tokenizer))
-    sentences = grammar + lm + words
-    stage("text", t0)
-    print(f"  {len(sentences)} distinct sentences: {len(grammar)} from the grammar, {len(lm)} sampled from SmolLM2, "
-          f"{len(words)} word lists")
+    _stage(stages, "text", t0)
+    print(f"  {len(grammar) + len(lm) + len(words)} distinct sentences: {len(grammar)} from the grammar, {len(lm)} "
+          f"sampled from SmolLM2, {len(words)} word lists")
+    return proc, grammar, lm, words
 
-    t0 = time.perf_counter()
-    train = make_clips([grammar, lm, words], a.clips, rng)
-    stage("speech", t0)
-    secs = sum(len(c[0]) for c in train) / 16000
-    print(f"  {len(train)} clips, {secs / 60:.1f} min of speech")
+
+def _teacher(a: argparse.Namespace, proc, train: list, stages: dict) -> dict:
+    """Stages "encoder", "pseudo_labels" and "teacher": the target's encoder outputs, greedy transcripts and top-16
+    of the training and evaluation clips; the target itself (``model``) for the draft's initialisation."""
+    from transformers import WhisperForConditionalGeneration
 
     t0 = time.perf_counter()
     model = WhisperForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32).eval()
     evals = _speech.zoo_clips() + _speech.heldout_clips()
     enc = encode(model, proc, [c[0] for c in train])
     enc_ev = encode(model, proc, [c[1] for c in evals])
-    stage("encoder", t0)
+    _stage(stages, "encoder", t0)
 
     t0 = time.perf_counter()
     seqs = pseudo_label(model, enc)
     seqs_ev = pseudo_label(model, enc_ev)
-    stage("pseudo_labels", t0)
+    _stage(stages, "pseudo_labels", t0)
     t0 = time.perf_counter()
     tk = teacher_topk(model, enc, seqs)
     tk_ev = teacher_topk(model, enc_ev, seqs_ev)
-    stage("teacher", t0)
-    n_tok = sum(len(s) - 4 for s in seqs)
-    print(f"  {n_tok} transcript tokens (eos included) in {len(seqs)} clips")
+    _stage(stages, "teacher", t0)
+    return {"model": model, "evals": evals, "enc": enc, "enc_ev": enc_ev, "seqs": seqs, "seqs_ev": seqs_ev,
+            "tk": tk, "tk_ev": tk_ev}
 
-    draft = init_draft(model)
-    del model
-    t0 = time.perf_counter()
-    step, curve = train_loop(draft, enc, seqs, tk, a.train_minutes * 60, a.batch, a.lr, a.eval_every, rng,
-                             lambda d: agreement(d, enc_ev, seqs_ev, tk_ev))
-    stage("train", t0)
 
+def _save_draft(a: argparse.Namespace, draft, proc) -> None:
+    """The draft and its processor under ``--out``."""
     for p in draft.parameters():
         p.requires_grad = True
     a.out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(a.out)
     proc.save_pretrained(a.out)
-    report = {"command": " ".join(["python", *sys.argv]), "target": str(a.model), "clips": len(train),
-              "speech_minutes": round(secs / 60, 2), "sentences": len(sentences), "lm_sentences": len(lm),
-              "transcript_tokens": n_tok, "steps": step, "batch": a.batch, "lr": a.lr, "threads": a.threads,
-              "stages_s": stages, "total_s": round(time.perf_counter() - t_all, 1),
-              "eval_clips": [c[0] for c in evals], "agreement_start": curve[0]["agreement"],
-              "agreement_final": curve[-1]["agreement"], "curve": curve}
+
+
+def _write_report(a: argparse.Namespace, report: dict) -> None:
+    """The training's record beside the draft: the curve (JSON, PNG) and a model card."""
     (a.out / "curve.json").write_text(json.dumps(report, indent=1))
-    plot(curve, a.out / "curve.png")
+    plot(report["curve"], a.out / "curve.png")
     (a.out / "README.md").write_text(card(report))
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    if _speech.tools_missing():
+        raise SystemExit(f"missing {', '.join(_speech.tools_missing())}: apt-get install -y espeak-ng sox")
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    rng = random.Random(a.seed)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    t_all = time.perf_counter()
+    stages = {}
+    proc, grammar, lm, words = _sentences(a, rng, stages)
+
+    t0 = time.perf_counter()
+    train = make_clips([grammar, lm, words], a.clips, rng)
+    _stage(stages, "speech", t0)
+    secs = sum(len(c[0]) for c in train) / 16000
+    print(f"  {len(train)} clips, {secs / 60:.1f} min of speech")
+
+    d = _teacher(a, proc, train, stages)
+    n_tok = sum(len(s) - 4 for s in d["seqs"])
+    print(f"  {n_tok} transcript tokens (eos included) in {len(d['seqs'])} clips")
+    draft = init_draft(d.pop("model"))
+    t0 = time.perf_counter()
+    step, curve = train_loop(draft, d["enc"], d["seqs"], d["tk"], a.train_minutes * 60, a.batch, a.lr, a.eval_every,
+                             rng, lambda m: agreement(m, d["enc_ev"], d["seqs_ev"], d["tk_ev"]))
+    _stage(stages, "train", t0)
+
+    _save_draft(a, draft, proc)
+    report = {"command": " ".join(["python", *sys.argv]), "target": str(a.model), "clips": len(train),
+              "speech_minutes": round(secs / 60, 2), "sentences": len(grammar) + len(lm) + len(words),
+              "lm_sentences": len(lm), "transcript_tokens": n_tok, "steps": step, "batch": a.batch, "lr": a.lr,
+              "threads": a.threads, "stages_s": stages, "total_s": round(time.perf_counter() - t_all, 1),
+              "eval_clips": [c[0] for c in d["evals"]], "agreement_start": curve[0]["agreement"],
+              "agreement_final": curve[-1]["agreement"], "curve": curve}
+    _write_report(a, report)
     print(json.dumps({k: v for k, v in report.items() if k != "curve"}, indent=1))
     return 0
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_csv
 from hf_csv.core.certificate import CertifiedHead
 
-from _load import cpu_load  # scripts/ is on sys.path when run as a script
+from _load import cpu_load  # a sibling helper: Python puts the script's folder first on the import path
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 

@@ -39,8 +39,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import hf_csv  # noqa: E402
 from hf_csv import CSVConfig  # noqa: E402
@@ -59,8 +57,7 @@ def _wer(ref: str, hyp: str) -> float:
     return d[len(h)] / max(1, len(r))
 
 
-@torch.no_grad()
-def main(argv=None) -> int:
+def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--assistant", default="quantized", help="a checkpoint folder, 'quantized' or 'truncated'")
@@ -71,8 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-lengths", type=int, nargs="*", default=[])
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--json", type=Path, required=True)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    return ap.parse_args(argv)
+
+
+def _models(a: argparse.Namespace):
+    """(processor, the target with hf_csv enabled, the assistant ``--assistant`` names)."""
     from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor, WhisperForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -85,23 +85,13 @@ def main(argv=None) -> int:
         draft = truncated_assistant(m, a.layers)
     else:
         draft = WhisperForCausalLM.from_pretrained(a.assistant, dtype=torch.float32).eval()
-    clips = []
-    for part in a.clips.split(","):
-        clips += {"zoo": _speech.zoo_clips, "heldout": _speech.heldout_clips}[part.strip()]()
-    feats = [proc(x, sampling_rate=16000, return_tensors="pt").input_features for _, x, _ in clips]
-    kw = dict(num_beams=1, do_sample=False, max_new_tokens=128)
-    if getattr(m.generation_config, "is_multilingual", False):
-        kw.update(language="en", task="transcribe")
-    modes = {
-        "plain": lambda f: m.generate(f, **kw),
-        "assisted_stock": lambda f: m.generate(f, assistant_model=draft, **kw),
-        "assisted_csv": lambda f: m.generate(f, assistant_model=draft, csv_config=CSVConfig(), **kw),
-    }
-    for f in feats[:1]:  # warm-up
-        for fn in modes.values():
-            fn(f)
-    # stock's own per-iteration report: update_candidate_strategy(input_ids, scores, num_matches), where
-    # scores has candidate_length + 1 positions (instrumentation of this script only)
+    return proc, m, draft
+
+
+def _counting():
+    """Installs a counter on stock's own per-iteration report: update_candidate_strategy(input_ids, scores,
+    num_matches), where scores has candidate_length + 1 positions (instrumentation of this script only). Returns
+    the list of (drafted, accepted) per target call it fills, and a function that removes the counter."""
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
     counts: list = []
@@ -112,10 +102,17 @@ def main(argv=None) -> int:
         return orig_update(self, input_ids, scores, num_matches)
 
     AssistedCandidateGenerator.update_candidate_strategy = update
-    tps = {k: [] for k in modes}
-    secs = {k: [] for k in modes}
-    identical, drafted, accepted, target_calls, texts = True, 0, 0, 0, []
-    enc_t = []
+
+    def restore() -> None:
+        AssistedCandidateGenerator.update_candidate_strategy = orig_update
+    return counts, restore
+
+
+def _interleaved(a: argparse.Namespace, clips: list, feats: list, modes: dict, counts: list, proc, m) -> dict:
+    """``--runs`` passes over the clips, the three modes in turn on each clip: tokens/s and seconds per pass,
+    identical tokens, and (first pass) drafted / accepted tokens, target calls, transcripts and encoder times."""
+    r = {"tps": {k: [] for k in modes}, "secs": {k: [] for k in modes}, "identical": True, "drafted": 0,
+         "accepted": 0, "target_calls": 0, "texts": [], "enc_t": []}
     for run in range(a.runs):
         tot = {k: [0.0, 0] for k in modes}
         for (name, _, ref), f in zip(clips, feats):
@@ -125,25 +122,27 @@ def main(argv=None) -> int:
                 outs[k] = fn(f)
                 tot[k][0] += time.perf_counter() - t0
                 tot[k][1] += outs[k].shape[1]
-            identical &= torch.equal(outs["assisted_csv"], outs["plain"]) and torch.equal(outs["assisted_stock"],
-                                                                                       outs["plain"])
+            r["identical"] &= torch.equal(outs["assisted_csv"], outs["plain"]) and torch.equal(outs["assisted_stock"],
+                                                                                            outs["plain"])
             if run == 0:
                 counts.clear()
                 modes["assisted_csv"](f)  # once more, counting drafted / accepted tokens
-                drafted += sum(c for c, _ in counts)
-                accepted += sum(n for _, n in counts)
-                target_calls += len(counts)
+                r["drafted"] += sum(c for c, _ in counts)
+                r["accepted"] += sum(n for _, n in counts)
+                r["target_calls"] += len(counts)
                 hyp = proc.batch_decode(outs["plain"], skip_special_tokens=True)[0].strip()
-                texts.append({"clip": name, "text": hyp, "wer": round(_wer(ref, hyp), 3)})
+                r["texts"].append({"clip": name, "text": hyp, "wer": round(_wer(ref, hyp), 3)})
                 t0 = time.perf_counter()
                 m.get_encoder()(f)
-                enc_t.append(time.perf_counter() - t0)
+                r["enc_t"].append(time.perf_counter() - t0)
         for k in modes:
-            tps[k].append(tot[k][1] / tot[k][0])
-            secs[k].append(tot[k][0])
-    med = {k: statistics.median(v) for k, v in tps.items()}
-    med_s = {k: statistics.median(v) for k, v in secs.items()}
-    enc_s = sum(enc_t)  # the encoder's time over all clips (one pass each, run 0)
+            r["tps"][k].append(tot[k][1] / tot[k][0])
+            r["secs"][k].append(tot[k][0])
+    return r
+
+
+def _by_draft_length(a: argparse.Namespace, draft, feats: list, modes: dict, counts: list, plain_tps: float) -> dict:
+    """Per ``--draft-lengths`` k: one pass of hf_csv assisted with a constant draft length and no confidence stop."""
     by_k = {}
     for k_len in a.draft_lengths:
         saved = (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule,
@@ -161,43 +160,77 @@ def main(argv=None) -> int:
         d_k, a_k = sum(c for c, _ in counts), sum(n for _, n in counts)
         by_k[k_len] = {"acceptance": a_k / max(1, d_k), "drafted": d_k, "target_calls": len(counts),
                        "tokens_per_target_call": (a_k + len(counts)) / max(1, len(counts)),
-                       "tok_s_csv_assisted": n_tot / t_tot, "vs_plain_median": (n_tot / t_tot) / med["plain"]}
+                       "tok_s_csv_assisted": n_tot / t_tot, "vs_plain_median": (n_tot / t_tot) / plain_tps}
         (draft.generation_config.num_assistant_tokens, draft.generation_config.num_assistant_tokens_schedule,
          draft.generation_config.assistant_confidence_threshold) = saved
-    AssistedCandidateGenerator.update_candidate_strategy = orig_update
-    costs = _step_costs(m, draft, feats[0], a.runs)
-    c_ratio = costs["c_full"]
-    acc = accepted / max(1, drafted)
+    return by_k
 
-    def ceiling_for(c: float) -> float:
-        return max(((1 - acc ** (k + 1)) / ((1 - acc) * (k * c + 1)) if acc < 1 else (k + 1) / (k * c + 1))
-                   for k in range(1, 33))
 
-    ceiling = ceiling_for(c_ratio)
-    pipe_rep = _pipeline(m, proc, draft, kw, a.runs) if a.pipeline else None
+def _ceiling(acc: float, c: float) -> float:
+    """The greedy ceiling max_k (1 - a^(k+1)) / ((1 - a) (k c + 1)) over k = 1..32."""
+    return max(((1 - acc ** (k + 1)) / ((1 - acc) * (k * c + 1)) if acc < 1 else (k + 1) / (k * c + 1))
+               for k in range(1, 33))
+
+
+def _report(a: argparse.Namespace, draft, kw: dict, clips: list, r: dict, extra: dict) -> dict:
+    """The JSON record (the module docstring's fields)."""
     from _load import machine_load
 
-    rep = {"command": " ".join(["python", *sys.argv]), "model": Path(a.model).name, "assistant": a.assistant,
-           "assistant_layers": draft.config.decoder_layers, "threads": a.threads,
-           "machine_after": machine_load(), "generate_kwargs": {k: v for k, v in kw.items()},
-           "clips": [c[0] for c in clips], "identical_tokens": bool(identical), "identical": bool(identical),
-           "transcripts": texts, "mean_wer": statistics.mean(t["wer"] for t in texts),
-           "acceptance": acc, "draft_acceptance_rate": acc, "drafted_tokens": drafted,
-           "target_calls": target_calls, "tokens_per_s_median": med, "tokens_per_s_runs": tps,
-           "tok_s_plain": med["plain"], "tok_s_stock_assisted": med["assisted_stock"],
-           "tok_s_csv_assisted": med["assisted_csv"],
-           "speedup_vs_plain": med["assisted_csv"] / med["plain"],
-           "speedup_vs_stock_assisted": med["assisted_csv"] / med["assisted_stock"],
-           "stock_assisted_vs_plain": med["assisted_stock"] / med["plain"],
-           "assisted_speedup_csv_vs_stock": med["assisted_csv"] / med["assisted_stock"],
-           "assisted_csv_vs_plain": med["assisted_csv"] / med["plain"],
-           "seconds_median": med_s, "encoder_seconds": enc_s, "encoder_share_of_plain": enc_s / med_s["plain"],
-           "decoder_only_speedup_vs_plain": (med_s["plain"] - enc_s) / (med_s["assisted_csv"] - enc_s),
-           "decoder_only_speedup_vs_stock_assisted": (med_s["assisted_stock"] - enc_s) / (med_s["assisted_csv"] - enc_s),
-           "by_draft_length": by_k, "pipeline": pipe_rep,
-           "step_cost_ratio": c_ratio, "ceiling_greedy_assisted_vs_plain": ceiling, "step_costs": costs,
-           "step_cost_ratio_certified": costs["c_certified"],
-           "ceiling_certified_vs_plain_certified": ceiling_for(costs["c_certified"])}
+    med = {k: statistics.median(v) for k, v in r["tps"].items()}
+    med_s = {k: statistics.median(v) for k, v in r["secs"].items()}
+    enc_s = sum(r["enc_t"])  # the encoder's time over all clips (one pass each, run 0)
+    acc, costs = r["accepted"] / max(1, r["drafted"]), extra["costs"]
+    return {"command": " ".join(["python", *sys.argv]), "model": Path(a.model).name, "assistant": a.assistant,
+            "assistant_layers": draft.config.decoder_layers, "threads": a.threads,
+            "machine_after": machine_load(), "generate_kwargs": {k: v for k, v in kw.items()},
+            "clips": [c[0] for c in clips], "identical_tokens": bool(r["identical"]), "identical": bool(r["identical"]),
+            "transcripts": r["texts"], "mean_wer": statistics.mean(t["wer"] for t in r["texts"]),
+            "acceptance": acc, "draft_acceptance_rate": acc, "drafted_tokens": r["drafted"],
+            "target_calls": r["target_calls"], "tokens_per_s_median": med, "tokens_per_s_runs": r["tps"],
+            "tok_s_plain": med["plain"], "tok_s_stock_assisted": med["assisted_stock"],
+            "tok_s_csv_assisted": med["assisted_csv"],
+            "speedup_vs_plain": med["assisted_csv"] / med["plain"],
+            "speedup_vs_stock_assisted": med["assisted_csv"] / med["assisted_stock"],
+            "stock_assisted_vs_plain": med["assisted_stock"] / med["plain"],
+            "assisted_speedup_csv_vs_stock": med["assisted_csv"] / med["assisted_stock"],
+            "assisted_csv_vs_plain": med["assisted_csv"] / med["plain"],
+            "seconds_median": med_s, "encoder_seconds": enc_s, "encoder_share_of_plain": enc_s / med_s["plain"],
+            "decoder_only_speedup_vs_plain": (med_s["plain"] - enc_s) / (med_s["assisted_csv"] - enc_s),
+            "decoder_only_speedup_vs_stock_assisted": (med_s["assisted_stock"] - enc_s) / (med_s["assisted_csv"] - enc_s),
+            "by_draft_length": extra["by_k"], "pipeline": extra["pipeline"],
+            "step_cost_ratio": costs["c_full"], "ceiling_greedy_assisted_vs_plain": _ceiling(acc, costs["c_full"]),
+            "step_costs": costs, "step_cost_ratio_certified": costs["c_certified"],
+            "ceiling_certified_vs_plain_certified": _ceiling(acc, costs["c_certified"])}
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    a = _args(argv)
+    torch.set_num_threads(a.threads)
+    proc, m, draft = _models(a)
+    clips = []
+    for part in a.clips.split(","):
+        clips += {"zoo": _speech.zoo_clips, "heldout": _speech.heldout_clips}[part.strip()]()
+    feats = [proc(x, sampling_rate=16000, return_tensors="pt").input_features for _, x, _ in clips]
+    kw = dict(num_beams=1, do_sample=False, max_new_tokens=128)
+    if getattr(m.generation_config, "is_multilingual", False):
+        kw.update(language="en", task="transcribe")
+    modes = {
+        "plain": lambda f: m.generate(f, **kw),
+        "assisted_stock": lambda f: m.generate(f, assistant_model=draft, **kw),
+        "assisted_csv": lambda f: m.generate(f, assistant_model=draft, csv_config=CSVConfig(), **kw),
+    }
+    for f in feats[:1]:  # warm-up
+        for fn in modes.values():
+            fn(f)
+    counts, restore = _counting()
+    r = _interleaved(a, clips, feats, modes, counts, proc, m)
+    plain_tps = statistics.median(r["tps"]["plain"])
+    extra = {"by_k": _by_draft_length(a, draft, feats, modes, counts, plain_tps)}
+    restore()
+    extra["costs"] = _step_costs(m, draft, feats[0], a.runs)
+    extra["pipeline"] = _pipeline(m, proc, draft, kw, a.runs) if a.pipeline else None
+    rep = _report(a, draft, kw, clips, r, extra)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rep, indent=2))
     print(json.dumps({k: v for k, v in rep.items() if k not in ("tokens_per_s_runs", "transcripts")}, indent=2))

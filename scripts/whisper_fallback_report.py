@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FALLBACK = dict(return_timestamps=True, temperature=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), logprob_threshold=-1.0,
                 no_speech_threshold=0.6, compression_ratio_threshold=1.35, condition_on_prev_tokens=False)

@@ -1,6 +1,6 @@
 """The certified head and generate on a CUDA device, against stock on the same device (skipped without CUDA).
 
-CI has no GPU: these run when a device is lent (docs/benchmarks.md §"GPU" says when they last ran and where).
+CI has no GPU: these run when a device is lent (docs/benchmarks.md §4 says when they last ran and where).
 They check on cuBLAS and the Triton kernels what the CPU suites check on MKL and fbgemm:
 
 * certified top-k tokens equal stock's ``F.linear`` top-k at real head sizes (fp32, bf16);

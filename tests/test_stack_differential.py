@@ -57,7 +57,7 @@ RESULTS: list = []
 def pytest_generate_tests(metafunc):
     if "case_id" in metafunc.fixturenames:
         n = metafunc.config.getoption("fuzz_cases", None) or int(os.environ.get("HF_CSV_FUZZ_CASES", "300"))
-        # HF_CSV_FUZZ_START=s runs cases s..n-1 only: one large run split over processes (scripts/hostb_check.sh)
+        # HF_CSV_FUZZ_START=s runs cases s..n-1 only: one large run split over processes
         start = int(os.environ.get("HF_CSV_FUZZ_START", "0"))
         # the first FAST_CASES cases are the fast tier's (pytest -m "not slow"); the rest are marked slow
         metafunc.parametrize("case_id", [i if i < FAST_CASES else pytest.param(i, marks=pytest.mark.slow)
