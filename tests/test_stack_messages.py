@@ -1,5 +1,6 @@
 """What a user is told: the messages of the usual mistakes (a mistyped artifact path, an uncached repo offline, a
-missing C compiler, beam search that certifies nothing) and the call's stats (every row counted, never None or NaN)."""
+missing C compiler, beam search that certifies nothing) and the call's stats (every row counted, never None or NaN).
+For people, `python scripts/first_hour.py` replays a newcomer's first hour and prints every message."""
 from __future__ import annotations
 
 import logging
