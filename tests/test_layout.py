@@ -242,3 +242,19 @@ def test_tests_mirror_the_package_layout():
     assert not stray, f"test files that mirror no module and are not whole-stack: {stray}"
     # flat: a tests/transformers/ folder would shadow the package under pytest's default import mode
     assert not [p for p in tests.glob("*/**/test_*.py") if "__pycache__" not in p.parts]
+
+
+def test_ci_names_only_tests_that_exist():
+    """Every test file and test node the CI scripts name exists (a renamed test file must not drop out of a CI job
+    silently, nor stop it with 'file not found')."""
+    import re
+
+    missing = []
+    for script in sorted((ROOT / ".ci").iterdir()):
+        for path, node in re.findall(r"\b(tests/[\w/]+\.py)(?:::(\w+))?", script.read_text()):
+            f = ROOT / path
+            if not f.is_file():
+                missing.append(f"{script.name}: {path}")
+            elif node and not re.search(rf"^(async )?def {node}\b", f.read_text(), re.M):
+                missing.append(f"{script.name}: {path}::{node}")
+    assert not missing, missing
