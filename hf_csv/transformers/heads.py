@@ -401,10 +401,6 @@ def _vocab_parallel_head(head: nn.Linear, config: CSVConfig, index: Any):
         if bias is not None:
             bias = bias.to_local() if hasattr(bias, "to_local") else bias[ids]
     else:
-        if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
-            from hf_csv.hub.artifact import CSVArtifact
-
-            index = CSVArtifact.from_pretrained(index).index
         ids = shard_tokens(V, dist.get_world_size(), config.vocab_parallel, index)[dist.get_rank()]
         ids = ids.to(head.weight.device)
         contiguous = ids.numel() == 0 or int(ids[-1] - ids[0]) + 1 == ids.numel()

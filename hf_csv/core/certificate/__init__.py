@@ -29,9 +29,7 @@ from hf_csv.core.certificate.probes import (PROBE_ROWS, PROBE_SIZES, SUBSET_BLOC
                                             graph_gather_matches_full, probe_subset_kernel, rows_like,
                                             subset_mismatches, subset_probe_key)
 from hf_csv.core.certificate.result import CertResult, CertStats, StockFn, SubsetFn
-# the float32 roundings, for the interval oracle of scripts/beam_oracle.py (hf_csv's own modules import them from
-# hf_csv.core.certificate.rounding)
-from hf_csv.core.certificate.rounding import _f32_down, _f32_up, value_interval
+from hf_csv.core.certificate.rounding import value_interval
 
 __all__ = ["CertStats", "CertResult", "CertifiedHead", "H_MIN", "H_MAX", "StockFn", "SubsetFn", "value_interval",
            "fp32_matmul_reason", "probe_subset_kernel", "subset_mismatches", "subset_probe_key",

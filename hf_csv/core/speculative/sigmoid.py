@@ -40,7 +40,6 @@ def sigmoid_probs(z: torch.Tensor, alpha: float = SIGMOID_ALPHA, beta: float = S
     return torch.sigmoid((z.float() - alpha) / (beta - alpha))
 
 
-
 @torch.no_grad()
 def sigmoid_acceptance(
     draft_ids: torch.Tensor,
