@@ -58,6 +58,10 @@ def assume_subset_exact(monkeypatch):
     from hf_csv.core.certificate import CertifiedHead
 
     monkeypatch.setattr(CertifiedHead, "subset_exact", lambda self: True)
+    # the same verdict where a guarded call leaves the probe to each shape's first certified step
+    monkeypatch.setattr(CertifiedHead, "subset_verdict", lambda self: True)
+    monkeypatch.setattr(CertifiedHead, "subset_rows_verdict", lambda self, rows: True)
+    monkeypatch.setattr(CertifiedHead, "subset_exact_rows", lambda self, rows: True)
 
 
 # ------------------------------------------------------------------ shared by several test files

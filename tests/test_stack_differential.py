@@ -5,8 +5,9 @@ logit_scale, Granite with logits_scaling, Phi with a head bias, Whisper), a voca
 4,099 in a fifth of the cases), a dtype (fp32, bf16; fp16 in a tenth of the cases), a batch (1 or more, left-padded), a decoding method (greedy, beam, sampling with random temperature /
 top-k / top-p / min-p), random processors (repetition penalty, no-repeat n-gram, bad words, min new
 tokens; Whisper with or without return_timestamps), output_scores and a stopping criterion that reads scores, a
-CSVConfig, the autograd context around the calls (grad mode, ``no_grad``, ``inference_mode``), and for a sixth or so
-of the sampling cases a column-subset probe forced to find no kernel (docs/certificates.md §2.0). Then:
+CSVConfig, the autograd context around the calls (grad mode, ``no_grad``, ``inference_mode``), for a sixth or so
+of the sampling cases a column-subset probe forced to find no kernel (docs/certificates.md §2.0), and in an eighth of
+the cases the speed guard on, its picks random (sampled shapes then probe at their first certified step). Then:
 
 * deterministic modes: the tokens must equal stock's, and so must ``scores`` wherever stock returns them;
 * sampling with a top-k or min-p certificate (stock's sampler on stock's vector): the same tokens as stock
@@ -230,6 +231,10 @@ def _case(i: int) -> dict:
     # a head hf_csv cannot certify (hf_csv.transformers.heads.head_decline_reason), its own stream: the call must run stock's head
     c["wrap"] = random.Random(91815541 * i + 7).choices(["none", "hook", "quantize_dynamic", "lora"],
                                                        weights=[45, 1, 1, 1])[0]
+    # the speed guard on the tiny heads (it guards real-sized heads only), its picks random on their own stream: the
+    # full and certified steps interleave, and sampled shapes leave the column-subset probe to their first
+    # certified step (hf_csv.transformers.step)
+    c["guard"] = random.Random(32416190 * i + 29).random() < 0.12
     c["kind"] = kind
     c["kw"] = kw
     mode = rng.choices(["auto", "topk", "sample"], weights=[6, 1, 1])[0]
@@ -446,6 +451,8 @@ def _classes(c: dict) -> list:
         out.append(f"probe:{c['probe']}")
     if c.get("wrap", "none") != "none":
         out.append(f"head:{c['wrap']}")
+    if c.get("guard"):
+        out.append("guard:random")
     return out
 
 
@@ -500,7 +507,7 @@ def _grad_context(c: dict):
 def _run(c: dict, n_sampling: int) -> dict:
     m = _model(c["arch"], c["dtype"], c["seed"], c.get("ties", "none"), c.get("hscale", 1.0),
                c.get("vocab"))  # (built outside the autograd context)
-    with _head_wrapper(m, c) as m, _grad_context(c), _probe_context(c):
+    with _head_wrapper(m, c) as m, _grad_context(c), _probe_context(c), _guard_context(c):
         res = _run_in(m, c, n_sampling)
     if c.get("wrap", "none") != "none" and res["ok"] and res["status"] == "certified":
         res.update(ok=False, why=f"a {c['wrap']} head was certified")
@@ -516,7 +523,32 @@ def _probe_context(c: dict):
 
     from hf_csv.core.certificate import CertifiedHead
 
-    return mock.patch.object(CertifiedHead, "subset_exact", lambda self: False)
+    stack = contextlib.ExitStack()
+    for name, fn in (("subset_exact", lambda self: False), ("subset_verdict", lambda self: False),
+                     ("subset_exact_rows", lambda self, rows: False)):
+        stack.enter_context(mock.patch.object(CertifiedHead, name, fn))
+    return stack
+
+
+@contextlib.contextmanager
+def _guard_context(c: dict):
+    """The case's speed guard: as in a real call (``hf_csv.core.speed.MIN_WEIGHTS``: none on these tiny heads), or on,
+    each pick the guard's own bookkeeping followed by a coin on the case's stream (full or certified head)."""
+    if not c.get("guard"):
+        yield
+        return
+    from unittest import mock
+
+    import hf_csv.core.speed as speed
+
+    coin, pick = random.Random(c["id"]), speed.SpeedGuard.certified
+
+    def random_pick(self, key, rows=1, **prior):
+        pick(self, key, rows, **prior)
+        return coin.random() < 0.5
+
+    with mock.patch.object(speed, "MIN_WEIGHTS", 0), mock.patch.object(speed.SpeedGuard, "certified", random_pick):
+        yield
 
 
 def _run_in(m, c: dict, n_sampling: int) -> dict:
@@ -551,7 +583,9 @@ def _run_in(m, c: dict, n_sampling: int) -> dict:
     else:
         ok, why = _law_check(m, c, inputs, n_sampling)
     if ok and c["kind"] == "sample" and c["csv"]["mode"] != "sample" and st["mode"] != "full" \
-            and any("column subset" in r for r in st["reasons"]):
+            and any("column subset" in r for r in st["reasons"]) \
+            and (st["mode"] not in ("topk", "threshold", "nucleus") or st.get("certified", 0) > 0):
+        # (a guarded call keeps its plan and runs those steps on stock's head: hf_csv.transformers.step)
         # a call the probe kept off stock's values promises stock's tokens for the seed: the full head, not a law
         ok, why = False, f"declined for the column-subset probe but ran mode {st['mode']!r}, not stock's head"
     # the stats count every row once: a certified row, or a fallback (over the budget, a near tie, a re-run)

@@ -264,8 +264,8 @@ def test_draft_stats_count_the_rows_the_speed_guard_sent_to_the_full_head(monkey
     target, draft = hf_csv.enable(_llama(2, 0)), _llama(1, 1)
     calls, pick = {}, SpeedGuard.certified
 
-    def every_other(self, key, rows=1):  # each head's guard: the certified head on every other call, stock's between
-        pick(self, key, rows)  # (the guard's own state for the key, which its record reads)
+    def every_other(self, key, rows=1, **prior):  # each head's guard: the certified head on every other call
+        pick(self, key, rows, **prior)  # (the guard's own state for the key, which its record reads)
         calls[id(self)] = calls.get(id(self), 0) + 1
         return calls[id(self)] % 2 == 0
 
@@ -1022,8 +1022,8 @@ def test_draft_stats_have_a_summary_line_built_as_the_targets(pair, monkeypatch)
     monkeypatch.setattr(hf_csv.core.speed, "MIN_WEIGHTS", 0)
     calls, pick = {}, SpeedGuard.certified
 
-    def every_other(self, key, rows=1):
-        pick(self, key, rows)
+    def every_other(self, key, rows=1, **prior):
+        pick(self, key, rows, **prior)
         calls[id(self)] = calls.get(id(self), 0) + 1
         return calls[id(self)] % 2 == 0
 

@@ -157,3 +157,13 @@ def test_real_smollm2_top_p_same_tokens_and_certified(monkeypatch):
         assert st["mode"] == "nucleus"
         rows.update(st["nucleus"])
     assert rows["decided_by_bounds"] >= 0.5 * rows["rows"], rows
+
+
+def test_the_guard_times_greedy_and_sampled_top_k_apart():
+    """A sampled top-k row (k tokens, stock's values for the warper after it) costs the certified head more than a
+    greedy one: sharing a speed-guard key let a greedy call's verdict start a sampled shape on the certified head."""
+    from hf_csv.transformers.plans import TopK
+
+    greedy, sampled = TopK(k=1), TopK(k=20, check_after=object())
+    assert greedy.guard_tag != sampled.guard_tag != TopK(k=20).guard_tag
+    assert TopK(k=20, check_after=object()).guard_tag == sampled.guard_tag  # the same plan: one key

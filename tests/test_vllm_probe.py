@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_csv.vllm.probe import probe_subset_kernel
+from hf_csv.vllm.probe import engine_subset_matches
 from vllm_doubles import other_kernel
 
 
@@ -19,11 +19,11 @@ def test_the_subset_probe_tries_batches_up_to_its_row_limit():
 
     def wide_differs(Hn, cols):
         return (Hn @ W[cols].T) if Hn.shape[0] > 8 else stock(Hn)[:, cols]
-    assert probe_subset_kernel(exact, stock, d, V, W.dtype)
-    assert not probe_subset_kernel(wide_differs, stock, d, V, W.dtype)
+    assert engine_subset_matches(exact, stock, d, V, W.dtype)
+    assert not engine_subset_matches(wide_differs, stock, d, V, W.dtype)
 
     def five_differs(Hn, cols):  # a row count the general probe never tries: a batch of 5 gets its own probe
         return (Hn @ W[cols].T) if Hn.shape[0] == 5 else stock(Hn)[:, cols]
-    assert probe_subset_kernel(five_differs, stock, d, V, W.dtype)
-    assert not probe_subset_kernel(five_differs, stock, d, V, W.dtype, rows=5)
-    assert probe_subset_kernel(five_differs, stock, d, V, W.dtype, rows=6)
+    assert engine_subset_matches(five_differs, stock, d, V, W.dtype)
+    assert not engine_subset_matches(five_differs, stock, d, V, W.dtype, rows=5)
+    assert engine_subset_matches(five_differs, stock, d, V, W.dtype, rows=6)

@@ -32,7 +32,9 @@ not a sample of either controller: judged by them, the guard kept the full head 
 A shape seen for the first time has no measurement yet, so it starts from a prior on the shape: calls of at least
 ``PRIOR_FULL_ROWS`` rows start on the full head (there stock's GEMM is compute-bound and efficient, while the
 certified head's per-row work grows with the rows: docs/benchmarks.md §9.3), and the certified head is tried once a probe apart; one
-faster certified sample switches it over (the first try comes ``max_probe`` calls in). Smaller calls start certified.
+faster certified sample switches it over (the first try comes ``max_probe`` calls in). Smaller calls start certified,
+unless the caller overrides the prior (``start_full`` / ``wait``: ``generate`` does where fewer rows of the same plan
+keep the full head by far, or where the certified head's first step would run a probe, hf_csv.transformers.step).
 
 Probes cost what they measure, so they are capped: once the full head is the choice, a probe of the certified side is
 one call (not a warm-up of three), and where the certified head is clearly slower (more than 1.5×) probes come

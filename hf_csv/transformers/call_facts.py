@@ -19,6 +19,7 @@ from hf_csv.core.config import CSVConfig
 from hf_csv.transformers.plans import FULL, Plan
 from hf_csv.transformers.posthead import PostHead
 from hf_csv.transformers.processor_kinds import classify_processor, inert
+from hf_csv.transformers.step import call_guard
 
 __all__ = ["CallFacts", "Decision", "gather_facts", "whisper_log_prob_reason", "FULL_LEAD"]
 
@@ -84,6 +85,11 @@ class CallFacts:
     generation_mode: Callable[[], Any]
     # the processors
     processors: tuple
+    # the speed guard: whether the call has one (a large head on CPU, HF_CSV_SPEED_GUARD not 0), and the probe's
+    # verdict as far as it has run (CertifiedHead.subset_verdict: True, False or None, not probed yet; asking does
+    # no work); together they let the values gate leave the probe to a shape's first certified step
+    guarded: bool = False
+    subset_verdict: Callable[[], Optional[bool]] = lambda: None
 
     @functools.cached_property
     def kinds(self) -> dict:
@@ -117,6 +123,10 @@ def gather_facts(session: Any, generation_config: Any, processors: list) -> Call
         probe = getattr(session.head, "subset_exact", None)
         return bool(probe()) if callable(probe) else False
 
+    def subset_verdict() -> Optional[bool]:
+        known = getattr(session.head, "subset_verdict", None)
+        return known() if callable(known) else False
+
     return CallFacts(
         config=session.config, force_full=session.force_full, fp32_reason=fp32, post=session.post,
         assisted=session.assisted, draft=session.draft, gumbel=session.gumbel is not None, spec_ok=session.spec_ok,
@@ -134,7 +144,7 @@ def gather_facts(session: Any, generation_config: Any, processors: list) -> Call
         confidence_threshold=float(getattr(gc, "assistant_confidence_threshold", None) or 0.0),
         eos_token_id=getattr(gc, "eos_token_id", None),
         generation_mode=lambda: gc.get_generation_mode() if hasattr(gc, "get_generation_mode") else None,
-        processors=tuple(processors))
+        processors=tuple(processors), guarded=call_guard(session) is not None, subset_verdict=subset_verdict)
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,7 @@ class Decision:
     step may drop a reason from ``reasons``: the values gate restates the call's one reason); ``own_draw``, sampling
     through the head's own exact draw where stock's values cannot be had; ``whisper_record``, the check records
     Whisper's avg-logprob terms; ``beams_warned``, the beam count of a beam search left on the full head (one
-    warning, 0: none)."""
+    warning, 0: none); ``values_probe``, the probe of stock's values is left to each shape's first certified step."""
 
     plan: Plan = FULL
     reasons: tuple = ()
@@ -152,6 +162,9 @@ class Decision:
     own_draw: bool = False
     whisper_record: bool = False
     beams_warned: int = 0
+    # the plan hands its values on S to stock's code and the column-subset probe is left to each shape's first
+    # certified step (hf_csv.transformers.step.head_step), where the speed guard tries the certified head
+    values_probe: bool = False
 
     def to(self, plan: Plan) -> "Decision":
         """This decision with ``plan``."""

@@ -64,6 +64,7 @@ def set_plan(session: CSVSession, generation_config: Any, processors: list) -> P
         session.note(reason, lead)
     session.reasons[:] = d.reasons
     session.plan, session.own_draw, session.whisper.record = d.plan, d.own_draw, d.whisper_record
+    session.values_probe = d.values_probe and not isinstance(d.plan, Full)
     if d.beams_warned:
         _tlog(__name__).warning("hf_csv: num_beams=%d runs the full LM head for this call (nothing certified). Pass "
                                 "num_beams=1 for the certified path (ASR pipeline: generate_kwargs={'num_beams': 1}).",
@@ -126,7 +127,12 @@ def _values_gate(facts: CallFacts, d: Decision) -> Decision:
     promises the law alone: Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")).
     (CSVConfig(mode="sample") asks for the own draw on any host: step 1 picked it, and it reads no values.)"""
     why = _reads_values(facts, d.plan, d.whisper_record)
-    if why is None or facts.subset_exact():
+    if why is None:
+        return d
+    if _probe_per_shape(facts):
+        if facts.subset_verdict() is not False:  # passed, or not probed yet: each shape's first certified step asks
+            return replace(d, values_probe=True)
+    elif facts.subset_exact():
         return d
     if isinstance(d.plan, TopK) and facts.do_sample and facts.gumbel:
         own = _base_plan(facts, Decision(own_draw=True))
@@ -140,6 +146,15 @@ def _values_gate(facts: CallFacts, d: Decision) -> Decision:
     return replace(d, reasons=()).full(
         f"{why}: needs stock's values on S bit for bit, and this CPU's BLAS rounds a column subset differently from "
         "the full call: the full head, stock's tokens for the seed (docs/certificates.md §2.0)")
+
+
+def _probe_per_shape(facts: CallFacts) -> bool:
+    """Whether the values gate leaves the column-subset probe to each shape's first certified step: in a guarded
+    call (a large head on CPU) that samples without an assistant or beams. The speed guard then starts a shape whose
+    rows were not probed on stock's head and tries the certified head a ``max_probe`` in (hf_csv.transformers.step),
+    so the probe (0.05-1.2 s on real heads, docs/benchmarks.md "Value slack") is paid once, there, and a call the guard
+    keeps on stock's head never pays it. Elsewhere the probe runs here, before the plan is chosen."""
+    return facts.guarded and facts.do_sample and facts.num_beams == 1 and not (facts.assisted or facts.draft)
 
 
 def _whisper_logprob(facts: CallFacts, d: Decision) -> Decision:

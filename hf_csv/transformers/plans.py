@@ -165,7 +165,8 @@ class TopK(Plan):
 
     @property
     def guard_tag(self):
-        return (self.name, self.always)
+        # a sampled top-k row (k tokens, stock's values for its warper) costs more than a greedy one: timed apart
+        return (self.name, self.always, self.k, self.check_after is not None)
 
     def check(self, c, sess, input_ids, scores, last, p):
         """Top-k after the processors (docs/certificates.md §3.2), Whisper's timestamp rule (§3.4), the values' slack

@@ -107,6 +107,9 @@ class CSVSession:
     caller_cache: bool = False  # the caller passed its own KV cache (``past_key_values``, or 5.24's ``cache``)
     cache_kwarg: str = "past_key_values"  # the model forward's KV-cache keyword on this version (hf_csv.transformers.compat)
     own_draw: bool = False  # Gumbel-coupled sampling: the head's own draw where stock's values on S cannot be had
+    # the plan hands its values on S to stock's code and each shape's first certified step runs the column-subset
+    # probe (hf_csv.transformers.decision._probe_per_shape, hf_csv.transformers.step.head_step)
+    values_probe: bool = False
     check_prefix: Any = None  # the processors before the CSVLogitsProcessor, sorted once (hf_csv.transformers.processor_kinds.prefix)
     exact_depth: int = 0  # > 0: a processor's own forward (Whisper's no-speech detection) runs on the full head
     # Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")): the call's noise per token index

@@ -261,13 +261,19 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     if guard is not None:
         flush_guard(sess)  # a record the check did not complete (it did not run after that head call)
         gkey = guard_key(sess, H.shape[0])
-        if not guard.certified(gkey, rows=H.shape[0]):
-            sess.note("the full head is measured faster than the certified one for this shape, or is being "
-                      "re-measured (a periodic probe of the speed guard, hf_csv.core.speed)")
+        start_full = True if _starts_full(sess, guard, gkey, H.shape[0]) else None
+        if not guard.certified(gkey, rows=H.shape[0], start_full=start_full, wait=start_full):
+            sess.note("the full head is measured faster than the certified one for this shape, or the shape is "
+                      "new or being re-measured (the speed guard, hf_csv.core.speed)")
             t0 = time.perf_counter()
             out = _full(sess, inner, hidden)
             _guard_record(sess, guard, gkey, False, time.perf_counter() - t0, hidden)
             return out
+    if sess.values_probe and not ch.subset_exact_rows(H.shape[0]):  # (may probe now: before the step is timed)
+        sess.note("the values on S go to stock's sampler, and this CPU's BLAS rounds a column subset of "
+                  f"{H.shape[0]} rows differently from the full call: the full head for these steps, stock's tokens "
+                  "for the seed (docs/certificates.md §2.0)")
+        return _full(sess, inner, hidden)
     # after the guard: a call it keeps on the full head (a large batch's prior) starts no packing beside it; a
     # certified pick that finds the screen unready is not recorded (the guard asks again)
     if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
@@ -348,6 +354,11 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
     return [sess.step.fed_total - (P - 1 - p) for p in range(P)]
 
 
+# a shape is not tried certified at first where fewer rows of the same plan keep the full head with a certified median
+# more than this many times its own (the guard's clear loser: hf_csv.core.speed; vLLM's GUARD_CANNOT_WIN)
+CANNOT_WIN = 1.5
+
+
 def call_guard(sess: Any) -> Any:
     """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call first asked:
     the plan choice or the first head step), or None."""
@@ -356,6 +367,21 @@ def call_guard(sess: Any) -> Any:
         guard = None if sess.entry is None else sess.entry.guard
         st.guard, st.guard_read = (guard if guard is not None and guard.enabled() else None), True
     return st.guard
+
+
+def _starts_full(sess: Any, guard: Any, gkey: tuple, rows: int) -> bool:
+    """Whether a shape the guard has not seen starts on the full head and tries the certified head only a
+    ``max_probe`` in (hf_csv.core.speed.SpeedGuard.certified), rather than on the guard's prior: where its first
+    certified step would run the column-subset probe (a value-reading plan whose rows were not probed, about 14 full
+    head calls of work), or where fewer rows of the same plan keep the full head by more than
+    :data:`CANNOT_WIN` (a certified head's per-row work grows faster than stock's GEMM): tries that cannot pay."""
+    if guard.has(gkey):
+        return False
+    if sess.values_probe and sess.head.subset_rows_verdict(rows) is None:
+        return True
+    tag, rest = gkey[:-3], gkey[-2:]  # (the key: plan tag, rows bucket, dtype, threads)
+    smaller = [k for k in guard.keys() if k[:-3] == tag and k[-2:] == rest and k[-3] < gkey[-3]]
+    return guard.lost(smaller, by=CANNOT_WIN)
 
 
 def guard_key(sess: Any, rows: int) -> tuple:

@@ -20,8 +20,8 @@ What it guarantees, row by row in a batch (docs/vllm.md; proofs docs/certificate
   so vLLM's own sampler draws the token it draws for that seed, where no token sits at the top-p or min-p cut
   (``hf_csv.vllm.sampler.sampler_boundary_unsure``: vLLM's top-p orders equal values by the whole row; otherwise
   the row is vLLM's own). The values on S come from vLLM's own GEMM on the gathered rows, which equals its full call
-  bit for bit only by measurement (``hf_csv.vllm.probe.probe_subset_kernel``, run once per head at model load and
-  once per batch size of at most ``hf_csv.vllm.probe.PROBE_ROWS`` rows, on that size's first such batch against
+  bit for bit only by measurement (``hf_csv.vllm.probe.engine_subset_matches``, run once per head at model load and
+  once per batch size of at most ``hf_csv.vllm.probe.ENGINE_PROBE_ROWS`` rows, on that size's first such batch against
   vLLM's head on it, which that batch returns; where it fails these rows are declined): this plan rests on that
   probe, not on a proof.
 

@@ -73,7 +73,7 @@ def certify_batch(head: CertifiedHead, H: torch.Tensor, plans: Sequence[RowPlan]
     slack and above the bound outside S (``hf_csv.core.checks.topk_unsure`` / ``set_unsure``, docs/certificates.md
     §3.2); otherwise it is vLLM's own row, which vLLM then processes as it would have.
 
-    ``subset``: vLLM's kernel on a subset of the head's rows (``hf_csv.vllm.probe.probe_subset_kernel`` passed), for
+    ``subset``: vLLM's kernel on a subset of the head's rows (``hf_csv.vllm.probe.engine_subset_matches`` passed), for
     the rows whose plan hands values to vLLM's sampler (``RowPlan.values``): vLLM's values on a set that holds
     stock's top-k after the temperature division (an uncomputed token must stay strictly below the k-th there, else
     the row is vLLM's own), −inf elsewhere: after vLLM's top-k, stock's padded row.

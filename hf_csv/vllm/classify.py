@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from hf_csv.core.certificate import fp32_matmul_reason
-from hf_csv.vllm.probe import PROBE_ROWS
+from hf_csv.vllm.probe import ENGINE_PROBE_ROWS
 
 __all__ = ["batch_decline_reason", "lowering_steps", "head_decline_reason", "RowPlan", "GREEDY", "row_plans"]
 
@@ -120,7 +120,7 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
     head: a GEMM over fewer rows may round differently). An unseeded sampling row without top-p or min-p is drawn
     by hf_csv; a seeded one, or one with top-p or min-p, needs stock's padded row after its top-k, so a top-k
     (below V) and ``values_ok`` (vLLM's kernel computes a subset of the head's rows bit for bit as its full call:
-    :func:`hf_csv.vllm.probe.probe_subset_kernel`); without them the batch declines. No user logits processor may
+    :func:`hf_csv.vllm.probe.engine_subset_matches`); without them the batch declines. No user logits processor may
     act on sampling rows (vLLM runs argmax-invariant ones on them). ``lowering``: steps of :func:`lowering_steps` act
     on the batch; only greedy rows are certified through them."""
     if sm.all_greedy:
@@ -151,8 +151,8 @@ def row_plans(sm: Any, rows: int, vocab_size: int, lowering: bool = False, value
             plans.append(RowPlan(t, k))
         elif k is None:
             return f"{why} without top-k", None
-        elif rows > PROBE_ROWS:  # the subset kernel's probe tries batches up to PROBE_ROWS rows
-            return f"{why} in a batch above {PROBE_ROWS} rows", None
+        elif rows > ENGINE_PROBE_ROWS:  # the subset kernel's probe tries batches up to ENGINE_PROBE_ROWS rows
+            return f"{why} in a batch above {ENGINE_PROBE_ROWS} rows", None
         elif not values_ok:
             return f"{why}: vLLM's kernel rounds a subset of the head otherwise", None
         else:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-from hf_csv.vllm.probe import probe_subset_kernel
+from hf_csv.vllm.probe import engine_subset_matches
 from hf_csv.vllm.weights import weight_key
 
 logger = logging.getLogger(__name__)
@@ -17,14 +17,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["engine_subset_kernel", "sampler_is_pytorch", "SubsetKernel"]
 
 # vLLM's oneDNN GEMM may round a call with one output column otherwise than its full call (docs/vllm.md): subset
-# calls are padded to this many rows of the head (probe_subset_kernel checks the padded calls)
+# calls are padded to this many rows of the head (engine_subset_matches checks the padded calls)
 _MIN_SUBSET = 16
 
 
 def engine_subset_kernel(W: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """vLLM's own CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``) on the rows ``cols`` of ``W``: [N, |cols|].
     Fewer than ``_MIN_SUBSET`` rows are padded with other rows of W, since oneDNN takes another path for one output
-    column. Whether it equals vLLM's full call bit for bit is measured (``hf_csv.vllm.probe.probe_subset_kernel``),
+    column. Whether it equals vLLM's full call bit for bit is measured (``hf_csv.vllm.probe.engine_subset_matches``),
     not assumed."""
     n = W.shape[0]
     last: list = []  # (cols, part) of the last call: the probe calls one subset on several row slices in a row
@@ -60,7 +60,7 @@ def sampler_is_pytorch() -> bool:
 class SubsetKernel:
     """One head's subset kernel (:func:`engine_subset_kernel`), rebuilt when its weights change
     (``hf_csv.vllm.weights.weight_key``), and whether values rows may use it: it computes a subset bit for bit as
-    vLLM's full call (``probe_subset_kernel``, once per weights, at model load where ``hf_csv.vllm.layer.prebuild``
+    vLLM's full call (``engine_subset_matches``, once per weights, at model load where ``hf_csv.vllm.layer.prebuild``
     runs, and once per batch size), and vLLM's top-k / top-p is its PyTorch path (the one
     ``hf_csv.vllm.sampler.sampler_boundary_unsure`` models; a Triton build's kernel is not checked: declined)."""
 
@@ -79,7 +79,7 @@ class SubsetKernel:
             W = w.detach()[:n]
             kernel = engine_subset_kernel(W)
             with torch.inference_mode(False), torch.no_grad():
-                ok = sampler_is_pytorch() and probe_subset_kernel(kernel, full, W.shape[1], n, W.dtype)
+                ok = sampler_is_pytorch() and engine_subset_matches(kernel, full, W.shape[1], n, W.dtype)
             if not ok:
                 logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "
                                "than its full call, or its sampler's top-k / top-p is not the PyTorch path: "
@@ -97,7 +97,7 @@ class SubsetKernel:
         rows = H.shape[0]
         _, kernel, _, full, by_rows = self._state
         with torch.inference_mode(False), torch.no_grad():
-            by_rows[rows] = probe_subset_kernel(kernel, full, H.shape[1], n, H.dtype, H=H.detach(),
+            by_rows[rows] = engine_subset_matches(kernel, full, H.shape[1], n, H.dtype, H=H.detach(),
                                                 ref=ref.detach()[:, :n])
         if not by_rows[rows]:
             logger.warning("hf_csv: vLLM's kernel computes a subset of this head's rows in another rounding "

@@ -186,16 +186,47 @@ class SubsetProbes:
         :meth:`_values` then uses (:meth:`subset_kernel`)."""
         return self.subset_kernel(probe=True) is not None
 
+    def subset_verdict(self) -> Optional[bool]:
+        """The probe's verdict on its own row counts under the current setting, without probing: True (a kernel
+        matched, :meth:`subset_exact`), False (none did), None (not probed yet). A caller that defers the probe to
+        where it is needed reads this first (hf_csv.transformers.decision)."""
+        key = subset_probe_key()
+        return None if key not in self._subset_probe else self._subset_probe[key] is not None
+
+    def subset_exact_rows(self, rows: int) -> bool:
+        """Whether a probed kernel gives the full call's values for ``rows`` rows of h under the current setting: the
+        probe's verdict where it ran on its own row counts (1, 3, 16) and they hold ``rows``, else a probe on ``rows``
+        rows alone, run now where it has not (once per setting and row count: one full call and the probed subsets,
+        about a third of the three row counts' cost)."""
+        known = self.subset_rows_verdict(rows)
+        if known is not None:
+            return known
+        return self._probed(subset_probe_key() + (int(rows),), (int(rows),), True) is not None
+
+    def subset_rows_verdict(self, rows: int) -> Optional[bool]:
+        """:meth:`subset_exact_rows`'s answer where a probe already gave it, without probing (None: not probed)."""
+        base = subset_probe_key()
+        key = base if rows in PROBE_ROWS and base in self._subset_probe else base + (int(rows),)
+        return None if key not in self._subset_probe else self._subset_probe[key] is not None
+
     def subset_kernel(self, probe: bool = False, rows: Optional[int] = None) -> Optional[str]:
         """The probed subset kernel's name for the current setting and ``rows`` rows of h (``"gathered"``,
         ``"blocked8"`` … ``"blocked64"``), ``None`` where none matched or (``probe=False``) where no probe ran yet
         for them. A row count other than the probe's own (1, 3, 16) gets its own probe on that many rows (a GEMM may
         round by its row count), once per setting: a call's first row count of a kind pays one full call and the
-        probed subsets."""
-        extra = () if rows is None or rows in PROBE_ROWS else (int(rows),)
-        key = subset_probe_key() + extra
+        probed subsets. One of the probe's own row counts takes the probe's verdict, or where only that row count was
+        probed (:meth:`subset_exact_rows`), its own."""
+        base = subset_probe_key()
+        if rows is not None and rows not in PROBE_ROWS:
+            return self._probed(base + (int(rows),), (int(rows),), probe)
+        if rows is not None and base not in self._subset_probe and base + (int(rows),) in self._subset_probe:
+            return self._subset_probe[base + (int(rows),)]
+        return self._probed(base, PROBE_ROWS, probe)
+
+    def _probed(self, key: tuple, rows: tuple, probe: bool) -> Optional[str]:
+        """The verdict kept under ``key`` (a probe on ``rows`` rows of h, run now with ``probe`` where none is kept)."""
         if key not in self._subset_probe and probe:
-            got = self._subset_probe[key] = probe_subset_kernel(self.weight, self.bias_native, rows=extra or PROBE_ROWS)
+            got = self._subset_probe[key] = probe_subset_kernel(self.weight, self.bias_native, rows=rows)
             if got is None:
                 logger.warning("hf_csv: this CPU's BLAS computes a column subset of the head in another rounding "
                                "than the full call; certified sampling that reads the values (stock's sampler, "
