@@ -12,7 +12,8 @@ times that), then runs the batch sizes in order, each ``--pairs`` pairs of calls
 certified, the order alternating pair by pair. The first pair is the first call of that shape (a new key of the speed
 guard). Reports per batch size: the first pair's ratio csv / stock, the median of csv's times over the median of
 stock's, the worst pair's ratio, the speed guard's choice (certified rows) and whether every pair's tokens were equal.
-Ratios above 1 mean the certified call was slower.
+Ratios above 1 mean the certified call was slower. ``--control``: an A/A run, stock on both sides (the spread of the
+ratios this machine gives at each load, beside which the certified figures are read).
 """
 from __future__ import annotations
 
@@ -60,15 +61,15 @@ def child(args: argparse.Namespace) -> dict:
         for i in range(pairs):
             outs = {}
             for side in (("stock", "csv") if i % 2 == 0 else ("csv", "stock")):
-                kw = {"csv_config": hf_csv.CSVConfig()} if side == "csv" else {}
+                kw = {"csv_config": hf_csv.CSVConfig()} if side == "csv" and not args.control else {}
                 torch.manual_seed(i)
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     outs[side] = model.generate(**x, max_new_tokens=args.new_tokens, **gen, **kw)
                 t[side].append(time.perf_counter() - t0)
                 if side == "csv":
-                    st = model.csv_last_stats or {}
-                    cert.append(st.get("summary", ""))
+                    st = {} if args.control else model.csv_last_stats or {}
+                    cert.append(st.get("summary", "stock (--control)"))
             same &= torch.equal(outs["stock"], outs["csv"])
         r = [c / s for c, s in zip(t["csv"], t["stock"])]
         rows.append({"batch": b, "pairs": pairs, "first": r[0], "median": statistics.median(t["csv"]) / statistics.median(t["stock"]),
@@ -88,17 +89,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--control", action="store_true",
+                    help="an A/A run: both sides stock (the ratios this machine's noise gives at each load)")
     ap.add_argument("--json")
     ap.add_argument("--child-preset", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_preset:
         print("RESULT " + json.dumps(child(args)))
         return
-    out = {"cpu": cpu_info(), "threads": args.threads, "dtype": args.dtype, "model": args.model,
+    out = {"cpu": cpu_info(), "control": args.control, "threads": args.threads, "dtype": args.dtype, "model": args.model,
            "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "runs": []}
     base = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
             "--pairs", str(args.pairs), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-            "--batch", *map(str, args.batch)]
+            "--batch", *map(str, args.batch)] + (["--control"] if args.control else [])
     for load in args.load:
         for preset in args.preset:
             with cpu_load(load):

@@ -5,6 +5,7 @@
     python scripts/mkl_paths.py --subsets  # one JSON line per setting (default, AVX512, AVX2, SSE4_2): the kernel
                                            # the column-subset probe picks and how many probed subsets differ
     python scripts/mkl_paths.py --subsets --model $M/whisper-base ...  # the same on those models' real heads too
+    python scripts/mkl_paths.py --probe-cost --model $M/smollm2-135m ...  # the probe's wall time per row count
 
 Each setting runs in its own process (MKL reads the variable once) and hashes 30 fp32 products: full GEMVs and
 GEMMs of 5 head shapes and column subsets of them (tails, blocks, a random subset of 97 rows), the operations whose
@@ -78,6 +79,40 @@ def _subsets() -> str:
                        "threads": torch.get_num_threads(), "subsets": subset_mismatches(W, None, nowhere, first=False), **res})
 
 
+def _probe_cost(paths: list, threads: int) -> None:
+    """Per model's output head: the dense GEMV's time (and GB/s), and the column-subset probe's wall time and pick on
+    1 row (a decode step's shape probe), 8 rows (a batch of 8) and the probe's own 1, 3 and 16 rows, best of two."""
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    import transformers as tf
+
+    from hf_csv.core.certificate import probe_subset_kernel
+
+    torch.set_num_threads(threads)
+    for path in paths:
+        W = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_output_embeddings().weight.detach()
+        h = torch.randn(1, W.shape[1])
+        ts = []
+        for _ in range(13):
+            t0 = time.perf_counter()
+            F.linear(h, W)
+            ts.append(time.perf_counter() - t0)
+        gemv = statistics.median(ts[3:])
+        row = {"model": Path(path).name, "shape": list(W.shape), "threads": threads, "gemv_ms": 1e3 * gemv,
+               "gemv_GBps": W.numel() * 4 / gemv / 1e9}
+        for rows in ((1,), (8,), (1, 3, 16)):
+            best, kernel = float("inf"), None
+            for _ in range(2):
+                t0 = time.perf_counter()
+                kernel = probe_subset_kernel(W, None, rows=rows)
+                best = min(best, time.perf_counter() - t0)
+            row[f"rows{'_'.join(map(str, rows))}"] = {"ms": 1e3 * best, "gemvs": best / gemv, "kernel": kernel}
+        print(json.dumps(row), flush=True)
+
+
 def _in_child(isa: str, mode: str) -> str:
     """``mode``'s output in a fresh process with ``MKL_ENABLE_INSTRUCTIONS=isa`` ("": MKL's own choice)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
@@ -94,8 +129,14 @@ def main() -> None:
     ap.add_argument("--subsets", action="store_true", help="the column-subset probe's counts per setting (JSON lines)")
     ap.add_argument("--model", action="append", default=[], help="with --subsets: also this model's real head "
                                                                    "(repeatable)")
+    ap.add_argument("--probe-cost", action="store_true", help="the column-subset probe's wall time per --model "
+                                                                 "(causal LMs) on 1, 8 and 1+3+16 rows, beside the GEMV")
+    ap.add_argument("--threads", type=int, default=2, help="with --probe-cost")
     ap.add_argument("--child", choices=("digest", "subsets"), help=argparse.SUPPRESS)  # one setting's own process
     args = ap.parse_args()
+    if args.probe_cost:
+        _probe_cost(args.model, args.threads)
+        return
     if args.child:
         print(_subsets() if args.child == "subsets" else _digest())
         return

@@ -444,3 +444,21 @@ def test_speed_guard_prior_starts_large_calls_on_the_full_head():
         c = g2.certified(big, rows=64)
         g2.record(big, c, 0.05 if c else 0.1)
     assert all(g2.certified(big, rows=64) for _ in range(5))
+
+
+def test_a_waited_try_that_could_not_be_timed_is_tried_again_at_once():
+    """A shape that starts on the full head and waits a ``max_probe`` for its first certified try: where that try is
+    not recorded (the certified head not settled yet: its screen had seen no rows of the shape, which ran stock's
+    head so far), the next call tries again, until one is recorded; it used to wait another ``max_probe`` per try,
+    and a batch-1 screen needs 8 rows to settle: about 1,000 calls before the guard could judge it."""
+    from hf_csv.core.speed import SpeedGuard
+
+    g = SpeedGuard()
+    key = ("k", 1)
+    for _ in range(g.max_probe - 1):
+        assert not g.certified(key, rows=1, start_full=True, wait=True)
+        g.record(key, False, 0.1)
+    assert g.certified(key, rows=1, start_full=True, wait=True)  # the first try, not recorded
+    assert all(g.certified(key, rows=1) for _ in range(7))  # tried again while none is recorded
+    g.record(key, True, 0.05)  # settled: one certified sample, faster, decides
+    assert g.choice(key) == "c" and all(g.certified(key, rows=1) for _ in range(20))

@@ -162,8 +162,8 @@ class Controller:
     2. warm-up: the chosen arm runs until it has ``warm[role]`` samples, then the other until it has
        ``probe_calls[role]`` (roles ``"a"``, ``"b"``; ``alternate`` interleaves the two while both are short);
     3. a probe, every ``probe`` calls: the other arm's window is emptied and it runs (step 2 then runs it
-       ``probe_calls`` times in a row), so a choice made under a passing load or a one-off cost is undone at the
-       next probe instead of after several;
+       ``probe_calls`` times in a row, and again where a call of it went unrecorded), so a choice made under a passing
+       load or a one-off cost is undone at the next probe instead of after several;
     4. otherwise the chosen arm.
 
     :meth:`record` appends the time and, once both windows hold enough (``warm`` for the chosen arm where it was
@@ -234,7 +234,9 @@ class Controller:
                 return other
             if st.n % st.probe == 0:
                 st.win[other].clear()
-                st.steady = False
+                # the wait is over: the other arm runs until it has its samples (a try its caller could not time,
+                # e.g. a certified head not settled yet, is tried again on the next call, not a probe later)
+                st.steady = st.wait = False
                 return other
             st.steady = True
             return best
