@@ -448,9 +448,10 @@ def test_speed_guard_prior_starts_large_calls_on_the_full_head():
 
 def test_a_waited_try_that_could_not_be_timed_is_tried_again_at_once():
     """A shape that starts on the full head and waits a ``max_probe`` for its first certified try: where that try is
-    not recorded (the certified head not settled yet: its screen had seen no rows of the shape, which ran stock's
-    head so far), the next call tries again, until one is recorded; it used to wait another ``max_probe`` per try,
-    and a batch-1 screen needs 8 rows to settle: about 1,000 calls before the guard could judge it."""
+    not timed (``untimed``: the certified head not settled yet, its screen having seen no rows of the shape, which ran
+    stock's head so far), the next call tries again, until one is timed; it used to wait another ``max_probe`` per
+    try, and a batch-1 screen needs 8 rows to settle: about 1,000 calls before the guard could judge it. A try the
+    caller skips without saying so (vLLM's probe that cannot win) still waits a probe."""
     from hf_csv.core.speed import SpeedGuard
 
     g = SpeedGuard()
@@ -458,7 +459,15 @@ def test_a_waited_try_that_could_not_be_timed_is_tried_again_at_once():
     for _ in range(g.max_probe - 1):
         assert not g.certified(key, rows=1, start_full=True, wait=True)
         g.record(key, False, 0.1)
-    assert g.certified(key, rows=1, start_full=True, wait=True)  # the first try, not recorded
-    assert all(g.certified(key, rows=1) for _ in range(7))  # tried again while none is recorded
+    assert g.certified(key, rows=1, start_full=True, wait=True)  # the first try, not timed
+    for _ in range(7):
+        g.untimed(key)
+        assert g.certified(key, rows=1)  # tried again while none is timed
     g.record(key, True, 0.05)  # settled: one certified sample, faster, decides
     assert g.choice(key) == "c" and all(g.certified(key, rows=1) for _ in range(20))
+    g2 = SpeedGuard()
+    for _ in range(g2.max_probe):
+        c = g2.certified(key, rows=1, start_full=True, wait=True)
+        if not c:
+            g2.record(key, False, 0.1)
+    assert c and not g2.certified(key, rows=1)  # skipped, not untimed: the next try a probe later

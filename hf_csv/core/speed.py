@@ -162,8 +162,8 @@ class Controller:
     2. warm-up: the chosen arm runs until it has ``warm[role]`` samples, then the other until it has
        ``probe_calls[role]`` (roles ``"a"``, ``"b"``; ``alternate`` interleaves the two while both are short);
     3. a probe, every ``probe`` calls: the other arm's window is emptied and it runs (step 2 then runs it
-       ``probe_calls`` times in a row, and again where a call of it went unrecorded), so a choice made under a passing
-       load or a one-off cost is undone at the next probe instead of after several;
+       ``probe_calls`` times in a row), so a choice made under a passing load or a one-off cost is undone at the
+       next probe instead of after several;
     4. otherwise the chosen arm.
 
     :meth:`record` appends the time and, once both windows hold enough (``warm`` for the chosen arm where it was
@@ -234,9 +234,7 @@ class Controller:
                 return other
             if st.n % st.probe == 0:
                 st.win[other].clear()
-                # the wait is over: the other arm runs until it has its samples (a try its caller could not time,
-                # e.g. a certified head not settled yet, is tried again on the next call, not a probe later)
-                st.steady = st.wait = False
+                st.steady = False
                 return other
             st.steady = True
             return best
@@ -281,6 +279,14 @@ class Controller:
                 if lose > self.clear * win:
                     # a clear loser: a probe costs about its extra time; this interval keeps that near 2 %
                     st.probe = max(self.max_probe, min(self.max_clear, int(100 * (lose / win - 1))))
+
+    def retry(self, key: Hashable) -> None:
+        """The caller could not time the call it was just given (one-off work it does not count): a waited first try
+        of the other arm (:meth:`pick` with ``wait``) is tried again on the next call, not a probe later."""
+        with self._lock:
+            st = self._state.get(key)
+            if st is not None:
+                st.wait = False
 
     def best(self, key: Hashable):
         """The current choice for ``key`` (None before any call)."""
@@ -365,6 +371,12 @@ class SpeedGuard:
 
     def record(self, key, certified: bool, seconds: float) -> None:
         self._ctl.record(key, "c" if certified else "f", seconds)
+
+    def untimed(self, key) -> None:
+        """The certified call just picked for ``key`` was not timed (its head not packed or settled yet, one-off work
+        that is no sample of its speed): a waited first try is made again on the next call (:meth:`Controller.retry`;
+        before, each such try waited another ``max_probe``, and a batch-1 screen needs 8 rows to settle)."""
+        self._ctl.retry(key)
 
     def summary(self, key) -> Optional[dict]:
         t = self._ctl.times(key)

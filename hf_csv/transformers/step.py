@@ -278,10 +278,14 @@ def head_step(sess: Any, inner: Any, hidden: torch.Tensor) -> torch.Tensor:
     # certified pick that finds the screen unready is not recorded (the guard asks again)
     if not plan.ready(ch, H):  # first call on a large head: the screen is still being packed
         sess.note("the int8 screen is still being packed (first call): full head for these steps")
+        if gkey is not None:
+            guard.untimed(gkey)
         return _full(sess, inner, hidden)
     # the first calls' one-off work (the screen's packing, its columns' re-choice from the first rows) is no sample of
     # the certified head's speed: the guard judges it once settled (read before the call, which may finish that work)
     settled = gkey is not None and ch.settled()
+    if gkey is not None and not settled:
+        guard.untimed(gkey)
     t0 = time.perf_counter()
     if sess.step.spec_pending and isinstance(plan, Bounded):
         # the bounds of the previous call were never read by hf_csv's verify: something other than it consumed
