@@ -405,7 +405,8 @@ def test_compiled_takes_stock_head_where_the_speed_guard_measured_it_faster(samp
     entry = head_entry(find_head(m)[1], CSVConfig())
     entry.guard = g = SpeedGuard()  # (tiny heads have none: MIN_WEIGHTS)
     try:
-        key = ("topk", 0, rows_bucket(x["input_ids"].shape[0]), torch.float32, torch.get_num_threads())
+        tag = ("topk", 0, 10, True) if sampled else ("topk", 0, 1, False)  # (TopK.guard_tag: a checked top-10, top-1)
+        key = (*tag, rows_bucket(x["input_ids"].shape[0]), torch.float32, torch.get_num_threads())
         for _ in range(4):
             g.certified(key)
             g.record(key, True, 1.0)

@@ -395,3 +395,28 @@ def test_mask_only_shortcut_equals_running_the_processors(monkeypatch, dtype):
         got = m.generate(ids, **kw, csv_config=CSVConfig())
         assert torch.equal(got, want), (seed, got, want)
     assert seen["fast"] > 0
+
+
+def test_the_probe_makes_each_full_call_once_for_all_its_kernels(monkeypatch):
+    """The probe tries five kernels against the same full calls: they are made once per row count, not once per
+    kernel (a failing 8-row probe of Gemma-3's head cost five 8-row GEMMs of it: docs/benchmarks.md, "Value slack")."""
+    import torch.nn.functional as F
+
+    import hf_csv.core.certificate.probes as C
+
+    W = torch.randn(1000, 32)
+    real, full_calls = F.linear, []
+
+    def counting(h, w, b=None):
+        if w.shape[0] == W.shape[0]:
+            full_calls.append(h.shape[0])
+        return real(h, w, b)
+
+    monkeypatch.setattr(C.F, "linear", counting)
+    monkeypatch.setattr(C, "SUBSET_KERNELS", {n: (lambda w, b: lambda H, cols: real(H, w[cols]) + 1)
+                                              for n in C.SUBSET_KERNELS})  # every kernel differs at once
+    assert C.probe_subset_kernel(W, None, rows=(8,)) is None
+    assert full_calls == [8]
+    full_calls.clear()
+    assert C.probe_subset_kernel(W, None) is None
+    assert full_calls == list(C.PROBE_ROWS)

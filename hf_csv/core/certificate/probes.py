@@ -104,28 +104,43 @@ SUBSET_KERNELS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], Subse
     "gathered": gathered_kernel, **{f"blocked{b}": functools.partial(blocked_kernel, block=b) for b in SUBSET_BLOCKS}}
 
 
+def _probe_cases(weight: torch.Tensor, bias: Optional[torch.Tensor], seed: int = 0,
+                 rows: tuple = PROBE_ROWS) -> list:
+    """The probe's inputs: per row count of ``rows``, (h, the full call on h, the column subsets), drawn in one
+    order from ``seed``: :data:`PROBE_SIZES` columns, each random, the tail and a block."""
+    V, d = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    sizes = [s for s in PROBE_SIZES if s <= V]
+    cases = []
+    for n_rows in rows:
+        H = torch.randn(n_rows, d, generator=g).to(weight.device, weight.dtype)
+        subsets = [cols.to(weight.device) for n in sizes
+                   for cols in (torch.randperm(V, generator=g)[:n].sort().values, torch.arange(V - n, V),
+                                torch.arange(n) + int(torch.randint(0, V - n + 1, (1,), generator=g)))]
+        with torch.no_grad():
+            cases.append((H, F.linear(H, weight, bias), subsets))
+    return cases
+
+
+def _mismatches(kernel: SubsetFn, cases: list, first: bool) -> int:
+    """How many of ``cases``' subsets ``kernel`` computes otherwise than the full call (``first``: stop at one)."""
+    bad = 0
+    with torch.no_grad():
+        for H, full, subsets in cases:
+            for cols in subsets:  # (small subsets first: a kernel that rounds otherwise shows it there soonest)
+                if not torch.equal(kernel(H, cols), full[:, cols]):
+                    bad += 1
+                    if first:
+                        return bad
+    return bad
+
+
 def subset_mismatches(weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: SubsetFn, seed: int = 0,
                       first: bool = True, rows: tuple = PROBE_ROWS) -> int:
     """How many probed column subsets ``kernel`` computes otherwise than the full call ``F.linear(h, W, b)`` (bit for
     bit): subsets of :data:`PROBE_SIZES` columns (random, the tail, a block), for each of ``rows`` rows of h. ``first``:
     stop at the first difference (returns 0 or 1)."""
-    V, d = weight.shape
-    g = torch.Generator().manual_seed(seed)
-    sizes = [s for s in PROBE_SIZES if s <= V]
-    bad = 0
-    for n_rows in rows:
-        H = torch.randn(n_rows, d, generator=g).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            full = F.linear(H, weight, bias)
-            for n in sizes:
-                for cols in (torch.randperm(V, generator=g)[:n].sort().values, torch.arange(V - n, V),
-                             torch.arange(n) + int(torch.randint(0, V - n + 1, (1,), generator=g))):
-                    cols = cols.to(weight.device)
-                    if not torch.equal(kernel(H, cols), full[:, cols]):
-                        bad += 1
-                        if first:
-                            return bad
-    return bad
+    return _mismatches(kernel, _probe_cases(weight, bias, seed, rows), first)
 
 
 def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1, draws: int = 3) -> bool:
@@ -154,10 +169,11 @@ def graph_gather_matches_full(weight: torch.Tensor, capacity: int, rows: int = 1
 def probe_subset_kernel(weight: torch.Tensor, bias: Optional[torch.Tensor], rows: tuple = PROBE_ROWS) -> Optional[str]:
     """The first of :data:`SUBSET_KERNELS` (gathered, then blocks of 8, 16, 32 and 64 rows: the cheapest first) that
     computed every probed column subset as the full call does, bit for bit, for ``rows`` rows of h; ``None`` where none
-    did. A kernel that fails stops at its first differing subset; the failing kernels before the winner still add to
-    the probe's cost (docs/benchmarks.md, "Value slack": Gemma-3's first probe 0.62 → 1.21 s on host D)."""
+    did. A kernel that fails stops at its first differing subset; the full calls are made once and shared by the
+    kernels (a failing 8-row probe cost five 8-row GEMMs of the head before; docs/benchmarks.md, "Value slack")."""
+    cases = _probe_cases(weight, bias, rows=rows)  # (the full calls once, shared by the kernels tried)
     for name, make in SUBSET_KERNELS.items():
-        if subset_mismatches(weight, bias, make(weight, bias), rows=rows) == 0:
+        if _mismatches(make(weight, bias), cases, first=True) == 0:
             return name
     return None
 
