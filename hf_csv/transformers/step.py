@@ -376,8 +376,8 @@ def call_guard(sess: Any) -> Any:
 def _starts_full(sess: Any, guard: Any, gkey: tuple, rows: int) -> bool:
     """Whether a shape the guard has not seen starts on the full head and tries the certified head only a
     ``max_probe`` in (hf_csv.core.speed.SpeedGuard.certified), rather than on the guard's prior: where its first
-    certified step would run the column-subset probe (a value-reading plan whose rows were not probed, about 14 full
-    head calls of work), or where fewer rows of the same plan keep the full head by more than
+    certified step would run the column-subset probe (a value-reading plan whose rows were not probed: 2 to 7 full
+    head calls of work on host E, docs/benchmarks.md "Value slack"), or where fewer rows of the same plan keep the full head by more than
     :data:`CANNOT_WIN` (a certified head's per-row work grows faster than stock's GEMM): tries that cannot pay."""
     if guard.has(gkey):
         return False
