@@ -34,8 +34,9 @@ def choose_plan(facts: CallFacts) -> Decision:
        timestamps, watermarking, guidance, processors that can raise uncomputed scores), then the decoding method's
        plan (:func:`hf_csv.transformers.method_plans.method_plan`).
     2. The values gate (:func:`_values_gate`): a plan that hands the values on S to stock's code as stock's needs
-       them bit for bit (the column-subset probe); where this CPU cannot give them, Gumbel-coupled sampling takes the
-       head's own draw, anything else the full head.
+       them bit for bit (the column-subset probe; in a guarded sampling call left to each shape's first certified
+       step, :func:`_probe_per_shape`); where this CPU cannot give them, Gumbel-coupled sampling takes the head's own
+       draw, anything else the full head.
     3. Whisper's ``logprob_threshold`` (:func:`_whisper_logprob`): greedy top-1 rounds record the avg-logprob
        terms (hf_csv.transformers.whisper); other rounds take the full head.
     4. Whisper's no-speech detection (:func:`_no_speech`): it reads the first step's scores, so a top-k plan
@@ -125,7 +126,9 @@ def _values_gate(facts: CallFacts, d: Decision) -> Decision:
     min-p, top-p sampling: README, docs/user_guide.md) it runs stock's full head, as the probe's warning says;
     hf_csv's own draw (exact law, another random stream, decided within the slack) stands in only where the call
     promises the law alone: Gumbel-coupled assisted sampling (CSVConfig(speculative="gumbel")).
-    (CSVConfig(mode="sample") asks for the own draw on any host: step 1 picked it, and it reads no values.)"""
+    (CSVConfig(mode="sample") asks for the own draw on any host: step 1 picked it, and it reads no values.) In a
+    guarded sampling call the probe is not run here (:func:`_probe_per_shape`): unless it already failed, the plan
+    stays and each shape's first certified step asks it, its steps on the full head until a kernel matched."""
     why = _reads_values(facts, d.plan, d.whisper_record)
     if why is None:
         return d
