@@ -112,8 +112,8 @@ def test_a_new_shape_starts_on_the_full_head_where_fewer_rows_cannot_win():
     never probed; otherwise on the guard's prior."""
     from types import SimpleNamespace
 
-    from hf_csv.core.speed import SpeedGuard
-    from hf_csv.transformers.step import CANNOT_WIN, _starts_full
+    from hf_csv.core.speed import CANNOT_WIN, SpeedGuard
+    from hf_csv.transformers.step import _starts_full
 
     def guard_with(ratio):  # batch-1 key of the plan ("topk", 0, 20, True): certified / full = ratio
         g = SpeedGuard()

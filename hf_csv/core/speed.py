@@ -73,11 +73,14 @@ from typing import Hashable, Iterator, Optional
 
 import torch
 
-__all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "cuda_reason",
+__all__ = ["Controller", "SpeedGuard", "ThreadTuner", "MIN_WEIGHTS", "PRIOR_FULL_ROWS", "CANNOT_WIN", "cuda_reason",
            "caller_threads", "intra_op_threads", "rows_bucket", "untimed"]
 
 MIN_WEIGHTS = 1 << 21
 PRIOR_FULL_ROWS = 32  # calls of this many rows start on the full head (module docstring)
+# a new shape is not tried certified at first where fewer rows of its kind keep the full head with a certified median
+# more than this many times its own (the guard's clear loser; the callers: hf_csv.transformers.step, hf_csv.vllm.guard)
+CANNOT_WIN = 1.5
 
 
 _CALLER = threading.local()  # the thread count the caller had before a tuned block
@@ -358,6 +361,14 @@ class SpeedGuard:
         add keys)."""
         with self._ctl._lock:
             return list(self._state)
+
+    def smaller_keys(self, key: tuple, rows_at: int) -> list:
+        """Read-only: the keys that have had a call and differ from ``key`` only at position ``rows_at`` (its rows or
+        rows bucket), with fewer rows there: the same kind of call on fewer rows."""
+        i = rows_at % len(key)
+        with self._ctl._lock:
+            return [k for k in self._state if len(k) == len(key) and k[i] < key[i]
+                    and k[:i] == key[:i] and k[i + 1:] == key[i + 1:]]
 
     def prefers_full(self, key) -> bool:
         """Read-only: whether the full head is the current choice for ``key``, on samples of both sides (a compiled

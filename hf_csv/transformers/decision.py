@@ -155,8 +155,8 @@ def _probe_per_shape(facts: CallFacts) -> bool:
     """Whether the values gate leaves the column-subset probe to each shape's first certified step: in a guarded
     call (a large head on CPU) that samples without an assistant or beams. The speed guard then starts a shape whose
     rows were not probed on stock's head and tries the certified head a ``max_probe`` in (hf_csv.transformers.step),
-    so the probe (0.05-1.2 s on real heads, docs/benchmarks.md "Value slack") is paid once, there, and a call the guard
-    keeps on stock's head never pays it. Elsewhere the probe runs here, before the plan is chosen."""
+    so the probe (a few full-head calls of work, docs/benchmarks.md "Value slack") is paid once, there, and a call the
+    guard keeps on stock's head never pays it. Elsewhere the probe runs here, before the plan is chosen."""
     return facts.guarded and facts.do_sample and facts.num_beams == 1 and not (facts.assisted or facts.draft)
 
 

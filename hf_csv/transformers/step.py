@@ -34,7 +34,7 @@ from hf_csv.core.errors import CSVError
 from hf_csv.transformers.plans import Bounded, ExactBeam, Full, Nucleus, Sample
 from hf_csv.transformers.whisper_beam_checks import record_lp
 from hf_csv.transformers.posthead import check_output
-from hf_csv.core.speed import rows_bucket
+from hf_csv.core.speed import CANNOT_WIN, rows_bucket
 
 __all__ = ["CSVHead", "StepStash", "StepState", "activated", "active_session", "call_guard", "check_post", "check_step",
            "flush_guard", "guard_key", "guard_post_head", "head_step", "track_length"]
@@ -358,11 +358,6 @@ def _token_keys(sess: Any, hidden: torch.Tensor) -> Optional[list]:
     return [sess.step.fed_total - (P - 1 - p) for p in range(P)]
 
 
-# a shape is not tried certified at first where fewer rows of the same plan keep the full head with a certified median
-# more than this many times its own (the guard's clear loser: hf_csv.core.speed; vLLM's GUARD_CANNOT_WIN)
-CANNOT_WIN = 1.5
-
-
 def call_guard(sess: Any) -> Any:
     """The call's speed guard (the head entry's, where ``HF_CSV_SPEED_GUARD`` allowed it when the call first asked:
     the plan choice or the first head step), or None."""
@@ -377,15 +372,15 @@ def _starts_full(sess: Any, guard: Any, gkey: tuple, rows: int) -> bool:
     """Whether a shape the guard has not seen starts on the full head and tries the certified head only a
     ``max_probe`` in (hf_csv.core.speed.SpeedGuard.certified), rather than on the guard's prior: where its first
     certified step would run the column-subset probe (a value-reading plan whose rows were not probed: 2 to 7 full
-    head calls of work on host E, docs/benchmarks.md "Value slack"), or where fewer rows of the same plan keep the full head by more than
-    :data:`CANNOT_WIN` (a certified head's per-row work grows faster than stock's GEMM): tries that cannot pay."""
+    head calls of work on host E, docs/benchmarks.md "Value slack"), or where fewer rows of the same plan keep the
+    full head by more than ``hf_csv.core.speed.CANNOT_WIN`` (a certified head's per-row work grows faster than
+    stock's GEMM): tries that cannot pay."""
     if guard.has(gkey):
         return False
     if sess.values_probe and sess.head.subset_rows_verdict(rows) is None:
         return True
-    tag, rest = gkey[:-3], gkey[-2:]  # (the key: plan tag, rows bucket, dtype, threads)
-    smaller = [k for k in guard.keys() if k[:-3] == tag and k[-2:] == rest and k[-3] < gkey[-3]]
-    return guard.lost(smaller, by=CANNOT_WIN)
+    # (the key: plan tag, rows bucket, dtype, threads: guard_key)
+    return guard.lost(guard.smaller_keys(gkey, rows_at=-3), by=CANNOT_WIN)
 
 
 def guard_key(sess: Any, rows: int) -> tuple:

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from hf_csv.core.speed import PRIOR_FULL_ROWS, SpeedGuard
+from hf_csv.core.speed import CANNOT_WIN, PRIOR_FULL_ROWS, SpeedGuard
 
 __all__ = ["GUARD_MARGIN", "GUARD_CANNOT_WIN", "CERTIFIED", "FULL", "SKIP", "guard_key", "smaller_keys", "pick"]
 
 GUARD_MARGIN = 1.05  # vLLM's head is kept unless the certified head's median is below its median / 1.05
 # a batch size's certified head is not tried while fewer rows of the same kind keep vLLM's head with a certified
-# median more than this many times its own (the guard's clear loser)
-GUARD_CANNOT_WIN = 1.5
+# median more than this many times its own (the guard's clear loser: hf_csv.core.speed.CANNOT_WIN)
+GUARD_CANNOT_WIN = CANNOT_WIN
 
 # pick's answers: try the certified head; vLLM's head, timed for the guard; vLLM's head, the guard's probe skipped
 CERTIFIED, FULL, SKIP = "certified", "full", "skip"
@@ -35,7 +35,7 @@ def guard_key(sm: Any, rows: int, dtype: torch.dtype) -> tuple:
 
 def smaller_keys(guard: SpeedGuard, key: tuple) -> list:
     """The guard's keys of the same kind, dtype and threads as ``key`` (kind, rows, dtype, threads) with fewer rows."""
-    return [k for k in guard.keys() if k[0] == key[0] and k[2:] == key[2:] and k[1] < key[1]]
+    return guard.smaller_keys(key, rows_at=1)
 
 
 def pick(guard: SpeedGuard, key: tuple, rows: int) -> str:

@@ -221,8 +221,7 @@ class SubsetProbes:
 
     def subset_rows_verdict(self, rows: int) -> Optional[bool]:
         """:meth:`subset_exact_rows`'s answer where a probe already gave it, without probing (None: not probed)."""
-        base = subset_probe_key()
-        key = base if rows in PROBE_ROWS and base in self._subset_probe else base + (int(rows),)
+        key = self._verdict_key(rows)[0]
         return None if key not in self._subset_probe else self._subset_probe[key] is not None
 
     def subset_kernel(self, probe: bool = False, rows: Optional[int] = None) -> Optional[str]:
@@ -232,12 +231,19 @@ class SubsetProbes:
         round by its row count), once per setting: a call's first row count of a kind pays one full call and the
         probed subsets. One of the probe's own row counts takes the probe's verdict, or where only that row count was
         probed (:meth:`subset_exact_rows`), its own."""
+        return self._probed(*self._verdict_key(rows), probe)
+
+    def _verdict_key(self, rows: Optional[int]) -> tuple:
+        """(key, row counts to probe) of the verdict that holds for ``rows`` rows under the current setting: the
+        probe's own (1, 3, 16 rows) where ``rows`` is None or one of them and that probe ran or no probe of ``rows``
+        alone did; else that of ``rows`` alone."""
         base = subset_probe_key()
-        if rows is not None and rows not in PROBE_ROWS:
-            return self._probed(base + (int(rows),), (int(rows),), probe)
-        if rows is not None and base not in self._subset_probe and base + (int(rows),) in self._subset_probe:
-            return self._subset_probe[base + (int(rows),)]
-        return self._probed(base, PROBE_ROWS, probe)
+        if rows is None:
+            return base, PROBE_ROWS
+        own = base + (int(rows),)
+        if rows in PROBE_ROWS and (base in self._subset_probe or own not in self._subset_probe):
+            return base, PROBE_ROWS
+        return own, (int(rows),)
 
     def _probed(self, key: tuple, rows: tuple, probe: bool) -> Optional[str]:
         """The verdict kept under ``key`` (a probe on ``rows`` rows of h, run now with ``probe`` where none is kept)."""
